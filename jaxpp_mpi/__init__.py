@@ -1,0 +1,1 @@
+"""jaxpp_mpi: MPMD pipeline parallelism for JAX over MPI."""
