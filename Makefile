@@ -1,0 +1,45 @@
+# jaxpp_mpi — the two commands a new user runs: `make install`, then `make test`.
+#
+# Knobs (make VAR=value):  PYTHON (interpreter for the venv), JAXPP_MPI_MPI=wheel|system,
+# JAXPP_MPI_CUDA=auto|off|on|/path, JAX_EXTRA=cpu|cuda12|cuda13 (see tools/install.sh);
+# MPI_TIMEOUT (hard limit in seconds for each mpirun test run), PYTEST_ARGS.
+
+VENV        ?= .venv
+PY          := $(VENV)/bin/python
+JPPRUN      := launch/jpprun
+MPI_TIMEOUT ?= 900
+PYTEST_ARGS ?=
+# Each MPI test run: pytest-mpi on every rank, a per-test timeout, a hard outer timeout;
+# a failure on any rank aborts the whole job (tests/conftest.py, "MPI harness").
+MPI_PYTEST   = timeout -k 10 $(MPI_TIMEOUT) $(JPPRUN) -n $(1) python -m pytest tests/mpi \
+               --with-mpi -p no:cacheprovider --timeout=300 -q $(PYTEST_ARGS)
+
+.PHONY: install test test-unit test-mpi example bench lint clean
+
+install:
+	bash tools/install.sh
+
+test: test-unit test-mpi
+
+test-unit: $(PY)
+	$(PY) -m pytest tests/unit tests/local -q $(PYTEST_ARGS)
+
+test-mpi: $(PY)
+	$(call MPI_PYTEST,2)
+	$(call MPI_PYTEST,4)
+
+example: $(PY)
+	$(PY) -m jaxpp_mpi.schedules Std1F1B --stages 4 --mubatches 8
+
+bench: $(PY)
+	$(JPPRUN) -n 2 python bench/p2p.py --out bench/results/p2p.json
+
+lint: $(PY)
+	$(PY) -m ruff check jaxpp_mpi tests bench examples
+
+$(PY):
+	@echo "No virtual environment at $(VENV): run 'make install' first." >&2; exit 1
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .hypothesis
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -1,0 +1,65 @@
+"""Test-wide settings: CPU device count, and the MPI abort-on-failure harness.
+
+Note: MPI harness.
+  Under `mpirun ... pytest --with-mpi`, a failing test (or a collection error) on one rank
+  would leave the other ranks waiting forever in their next message. So the first failure
+  on any rank prints that rank's report to stderr, prefixed with `[rank r]`, and calls
+  `MPI.COMM_WORLD.Abort(1)`, which ends the whole job at once with a non-zero status.
+  Every test also has a pytest-timeout (a timeout is a failure, so it aborts too), and
+  the Makefile puts a hard `timeout` around each mpirun.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+# Single-process tests (unit, local) see 8 CPU devices: enough for a 4-group x 2-device
+# local-mode mesh. Must be set before JAX creates its CPU backend; MPI runs set their own.
+_FLAG = "--xla_force_host_platform_device_count"
+if "--with-mpi" not in sys.argv and _FLAG not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" {_FLAG}=8").strip()
+
+
+def _mpi_world():
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD
+
+
+def _under_mpi(config: pytest.Config) -> bool:
+    return bool(getattr(config.option, "with_mpi", False))
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    if not _under_mpi(config):
+        return []
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    vendor = MPI.Get_library_version().splitlines()[0].strip().strip("\x00")
+    return [f"MPI: {vendor} | rank {comm.rank} of {comm.size}"]
+
+
+def _abort_with(report_text: str, what: str) -> None:
+    comm = _mpi_world()
+    lines = "\n".join(f"[rank {comm.rank}] {line}" for line in report_text.splitlines())
+    sys.stderr.write(f"\n[rank {comm.rank}] {what}; aborting the MPI job\n{lines}\n")
+    sys.stderr.flush()
+    sys.stdout.flush()
+    comm.Abort(1)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed and _under_mpi(item.config) and _mpi_world().size > 1:
+        _abort_with(report.longreprtext, f"{item.nodeid} failed in {report.when}")
+
+
+def pytest_collectreport(report: pytest.CollectReport) -> None:
+    if report.failed and "--with-mpi" in sys.argv and _mpi_world().size > 1:
+        _abort_with(report.longreprtext, f"collecting {report.nodeid} failed")
