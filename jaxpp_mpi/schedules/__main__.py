@@ -1,0 +1,238 @@
+"""Command line: print a schedule's simulated timeline, task order and figures."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections.abc import Sequence
+
+from jaxpp_mpi._src.schedule_check import DEFAULT_LATENCIES, ScheduleAnalysis, analyze_schedule
+from jaxpp_mpi._src.schedule_csv import CustomSchedule, format_entry, schedule_to_csv
+from jaxpp_mpi._src.schedules import (
+    BaseSchedule,
+    DualPipeV,
+    Eager1F1B,
+    GPipe,
+    Interleaved1F1B,
+    KimiK2,
+    Std1F1B,
+    TaskType,
+    ZeroBubble,
+    entry_tasks,
+)
+
+PROG = "python -m jaxpp_mpi.schedules"
+SCHEDULES: dict[str, type[BaseSchedule]] = {
+    cls.__name__: cls
+    for cls in (GPipe, Std1F1B, Eager1F1B, Interleaved1F1B, KimiK2, ZeroBubble, DualPipeV)
+}
+_INTERLEAVED = (Interleaved1F1B, KimiK2)
+MAX_TASKS_SHOWN = 100_000
+
+
+class UsageError(Exception):
+    """Bad command-line input; reported on one line with exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UsageError(message)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog=PROG,
+        description="Show how a pipeline schedule runs: per-group timeline (idle time as dots), "
+        "task order, makespan, bubble fraction and peak in-flight activations.",
+        epilog=f"schedules: {', '.join(SCHEDULES)}. Example: {PROG} Std1F1B --stages 4 "
+        "--mubatches 8",
+    )
+    p.add_argument("schedule", nargs="?", help="schedule name (omit with --from-csv)")
+    p.add_argument("--stages", type=int, help="number of pipeline stages")
+    p.add_argument("--mubatches", type=int, help="number of microbatches")
+    p.add_argument("--mpmd-dim", type=int, help="number of MPMD groups (interleaved, DualPipeV)")
+    p.add_argument(
+        "--fuse-steady-state",
+        action="store_true",
+        help="fuse steady-state forward/backward pairs (Interleaved1F1B, KimiK2)",
+    )
+    p.add_argument("--csv", metavar="OUT", help="also write the schedule as CSV to OUT")
+    p.add_argument("--from-csv", metavar="IN", help="read a custom schedule from a CSV file")
+    p.add_argument(
+        "--latency",
+        default="",
+        metavar="F=1,B=2,I=1,W=1",
+        help="task durations by kind (defaults F=1,B=2,I=1,W=1)",
+    )
+    p.add_argument(
+        "--comm-latency",
+        type=float,
+        default=0.0,
+        help="delay for a result to reach another group (default 0)",
+    )
+    return p
+
+
+def _parse_latencies(text: str) -> dict[TaskType, float]:
+    kinds = {k.value: k for k in TaskType} | {k.name: k for k in TaskType}
+    out: dict[TaskType, float] = {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        key, sep, value = item.partition("=")
+        kind = kinds.get(key.strip().upper())
+        try:
+            number = float(value)
+        except ValueError:
+            number = math.nan
+        if not sep or kind is None or not (0 <= number < math.inf):
+            raise UsageError(
+                f"--latency: bad item {item!r}; write KIND=DURATION with KIND one of F, B, I, W "
+                "and DURATION >= 0, e.g. F=1,B=2,I=1,W=1"
+            )
+        out[kind] = number
+    return out
+
+
+def _build(args: argparse.Namespace) -> tuple[BaseSchedule, int]:
+    if args.from_csv:
+        if args.schedule not in (None, "CustomSchedule"):
+            raise UsageError("give either a schedule name or --from-csv, not both")
+        schedule = CustomSchedule.from_csv(args.from_csv)
+        return schedule, args.mubatches or schedule.num_microbatches
+    if args.schedule is None:
+        raise UsageError(f"name a schedule ({', '.join(SCHEDULES)}) or give --from-csv")
+    by_lower = {k.lower(): v for k, v in SCHEDULES.items()}
+    cls = by_lower.get(args.schedule.lower())
+    if cls is None:
+        raise UsageError(
+            f"unknown schedule {args.schedule!r}; choose one of {', '.join(SCHEDULES)}"
+        )
+    if args.stages is None or args.mubatches is None:
+        raise UsageError(f"{cls.__name__} needs --stages and --mubatches")
+    if args.fuse_steady_state and cls not in _INTERLEAVED:
+        raise UsageError(
+            f"--fuse-steady-state only applies to Interleaved1F1B and KimiK2, not {cls.__name__}"
+        )
+    if cls in _INTERLEAVED:
+        if args.mpmd_dim is None:
+            raise UsageError(f"{cls.__name__} needs --mpmd-dim (the number of MPMD groups)")
+        schedule = cls(args.stages, args.mpmd_dim, args.fuse_steady_state)
+    elif cls is DualPipeV:
+        mpmd_dim = args.mpmd_dim if args.mpmd_dim is not None else args.stages // 2
+        schedule = DualPipeV(args.stages, mpmd_dim)
+    else:
+        if args.mpmd_dim not in (None, args.stages):
+            raise UsageError(
+                f"{cls.__name__} runs one stage per group: --mpmd-dim must equal "
+                f"--stages ({args.stages}) or be omitted"
+            )
+        schedule = cls(args.stages)
+    return schedule, args.mubatches
+
+
+def render(
+    schedule: BaseSchedule,
+    n: int,
+    a: ScheduleAnalysis,
+    latencies: dict[TaskType, float],
+    comm_latency: float,
+) -> str:
+    """Returns the text report: timeline, task order and figures."""
+    lat = {**DEFAULT_LATENCIES, **latencies}
+    with_stage = any(
+        {t.stage_id for e in row for t in entry_tasks(e.entry)} != {g}
+        for g, row in enumerate(a.timeline)
+    )
+    rows = [[format_entry(e.entry, with_stage) for e in row] for row in a.timeline]
+    single = [
+        format_entry(t, with_stage) for row in a.timeline for e in row for t in entry_tasks(e.entry)
+    ]
+    width = 1 + max((len(s) for s in single), default=1)  # characters per time quantum
+    durations = [v for v in (*lat.values(), comm_latency) if v > 0]
+    quantum = min(durations, default=1.0)
+
+    def col(t: float) -> int:
+        return round(t / quantum * width)
+
+    total = col(a.makespan)
+    prefix = [f"group {g}" for g in range(len(a.timeline))]
+    pw = max(len(p) for p in prefix) + 1
+    unit = f"{quantum:g} time unit" + ("" if quantum == 1 else "s")
+    stage_note = ", s<stage>" if with_stage else ""
+    lines = [
+        f"{schedule!r} with {n} microbatches",
+        "latencies "
+        + " ".join(f"{k.value}={lat[k]:g}" for k in TaskType)
+        + f", comm latency {comm_latency:g}",
+        "",
+        f"Timeline: {width} characters = {unit}, '.' = idle; cell = F/B/I/W<microbatch>"
+        f"{stage_note}; '+' joins a fused task",
+    ]
+    tick = max(1, math.ceil((len(f"{a.makespan:g}") + 1) / width)) * 5
+    ruler = [" "] * (total + 8)
+    marks = [" "] * (total + 8)
+    t = 0
+    while col(t * quantum) <= total:
+        c = col(t * quantum)
+        label = f"{t * quantum:g}"
+        ruler[c : c + len(label)] = label
+        marks[c] = "|"
+        t += tick
+    lines += ["time".ljust(pw) + "".join(ruler).rstrip(), " " * pw + "".join(marks).rstrip()]
+    for g, row in enumerate(a.timeline):
+        chars = ["."] * total
+        for e, text in zip(row, rows[g], strict=True):
+            c0, c1 = col(e.start), col(e.end)
+            if c1 <= c0:
+                continue
+            label = text if len(text) < c1 - c0 else text[: max(1, c1 - c0 - 1)]
+            chars[c0:c1] = label.ljust(c1 - c0)
+        lines.append(prefix[g].ljust(pw) + "".join(chars).rstrip())
+    lines += ["", "Task order"]
+    lines += [prefix[g].ljust(pw) + " ".join(cells) for g, cells in enumerate(rows)]
+    mean_bubble = sum(a.bubble_fraction) / max(1, len(a.bubble_fraction))
+    lines += [
+        "",
+        f"makespan {a.makespan:g}, mean bubble {100 * mean_bubble:.1f}%, "
+        f"peak activations {max(a.peak_activations, default=0)} (worst group)",
+    ]
+    stages = [
+        ",".join(str(s) for s in range(schedule.num_stages) if schedule.get_mpmd_idx(s) == g)
+        for g in range(len(a.timeline))
+    ]
+    sw = max(6, *(len(s) for s in stages))
+    lines.append(f"group  {'stages':<{sw}}  {'busy':>6}  bubble  peak activations")
+    for g in range(len(a.timeline)):
+        lines.append(
+            f"{g:>5}  {stages[g]:<{sw}}  {a.busy[g]:>6g}  {100 * a.bubble_fraction[g]:>5.1f}%"
+            f"  {a.peak_activations[g]:>16}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the command line; returns the exit status (2 on bad input)."""
+    try:
+        args = _parser().parse_args(argv)
+        latencies = _parse_latencies(args.latency)
+        if not args.comm_latency >= 0:
+            raise UsageError(f"--comm-latency must be >= 0, got {args.comm_latency}")
+        schedule, n = _build(args)
+        if schedule.num_stages * n > MAX_TASKS_SHOWN:
+            raise UsageError(
+                f"{schedule.num_stages} stages x {n} microbatches is too large to "
+                f"display (limit {MAX_TASKS_SHOWN} stage-microbatch pairs)"
+            )
+        analysis = analyze_schedule(schedule, n, latencies, comm_latency=args.comm_latency)
+        print(render(schedule, n, analysis, latencies, args.comm_latency))
+        if args.csv:
+            schedule_to_csv(schedule, n, args.csv)
+            print(f"\nwrote {args.csv}")
+    except (UsageError, ValueError, OSError) as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
