@@ -1,0 +1,66 @@
+"""The one place that touches `jax._src` internals, each use with its reason.
+
+Everything else in jaxpp_mpi uses public JAX (`jax`, `jax.extend`,
+`jax.interpreters.*`). When a JAX upgrade breaks something, this module is the
+first place to look.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax.extend import core as jex_core
+from jax.extend import linear_util as lu
+from jax.interpreters import partial_eval as pe
+
+# Why: `api_util.debug_info` builds the DebugInfo that `lu.wrap_init` needs; the
+# public `jax.extend.linear_util.wrap_init` fills in a placeholder and is marked
+# deprecated for that use. There is no public constructor for a real one.
+from jax._src import api_util as _api_util
+
+__all__ = ["trace_closure_converted"]
+
+
+def trace_closure_converted(
+    flat_fun: Callable[..., Sequence[Any]],
+    in_avals: Sequence[jax.core.ShapedArray],
+    *,
+    name: str,
+) -> tuple[jex_core.ClosedJaxpr, list[Any]]:
+    """Traces `flat_fun` to a closed jaxpr whose closed-over values are inputs.
+
+    Every value the function closes over (concrete arrays and tracers of an
+    enclosing `jax.jit` / `jax.make_jaxpr` / `jax.grad` trace alike) becomes an
+    explicit input placed *after* the traced arguments, so the result can be
+    bound as a primitive's operand list without leaking tracers.
+
+    Args:
+      flat_fun: function of `len(in_avals)` arrays returning a flat sequence of
+        arrays.
+      in_avals: abstract values of the traced arguments.
+      name: name for the debug info (shows in error messages).
+
+    Returns:
+      `(closed_jaxpr, consts)`: `closed_jaxpr.jaxpr.invars` is
+      `(*args, *closed_over)`, `closed_jaxpr.consts` is empty, and `consts`
+      are the closed-over values, in the order of their invars.
+    """
+    dbg = _api_util.debug_info(name, flat_fun, tuple(in_avals), {})
+    wrapped = lu.wrap_init(lambda *args: list(flat_fun(*args)), debug_info=dbg)
+    # Why `trace_to_jaxpr_dynamic` (exported by `jax.interpreters.partial_eval`)
+    # rather than `jax.closure_convert`: the latter only hoists values that may
+    # carry a tangent (float tracers) and leaves integer tracers (token ids,
+    # labels) and concrete arrays closed over; we need *every* captured value as
+    # an operand so the compiler sees all loop invariants.
+    jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(wrapped, list(in_avals))
+    arg_names = jaxpr.debug_info.arg_names
+    if arg_names is not None:
+        arg_names = (*arg_names, *("",) * len(jaxpr.constvars))
+    lifted = jaxpr.replace(
+        constvars=[],
+        invars=[*jaxpr.invars, *jaxpr.constvars],
+        debug_info=jaxpr.debug_info._replace(arg_names=arg_names),
+    )
+    return jex_core.ClosedJaxpr(lifted, ()), list(consts)
