@@ -46,7 +46,11 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 export PATH="$here/$VENV/bin:$PATH"
 py="$here/$VENV/bin/python"
-pip_install() { "$py" -m pip install --disable-pip-version-check -q "$@"; }
+# pip's output minus the machine-level index warnings some images print for every package.
+pip_install() {
+  "$py" -m pip install --disable-pip-version-check -q "$@" 2>&1 | grep -v 'is ignored: it is neither'
+  return "${PIPESTATUS[0]}"
+}
 
 pip_install --upgrade pip
 pip_install setuptools wheel cython nanobind
@@ -126,7 +130,7 @@ CUDA_PATH="$build_root" CUDA_ROOT="$build_root" \
 # 4. jaxpp_mpi itself, editable, with test and example extras.
 pip_install --no-build-isolation -e ".[test,examples]"
 
-mpi_version=$("$py" -c 'from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0].strip())')
+mpi_version=$("$py" -c 'from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0].strip().strip(chr(0)).strip())')
 {
   echo "MPI: $MPI_CHOICE ($mpicc_path)"
   echo "$mpi_version"
