@@ -48,8 +48,10 @@ export PATH="$here/$VENV/bin:$PATH"
 py="$here/$VENV/bin/python"
 # pip's output minus the machine-level index warnings some images print for every package.
 pip_install() {
-  "$py" -m pip install --disable-pip-version-check -q "$@" 2>&1 | grep -v 'is ignored: it is neither'
-  return "${PIPESTATUS[0]}"
+  local status=0
+  "$py" -m pip install --disable-pip-version-check -q "$@" 2>&1 \
+    | { grep -v 'is ignored: it is neither' || true; } || status=$?
+  return "$status"
 }
 
 pip_install --upgrade pip
