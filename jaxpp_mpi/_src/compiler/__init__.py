@@ -1,0 +1,1 @@
+"""The compiler: from a traced step to a verified per-group Program."""

@@ -1,0 +1,321 @@
+"""Split pass: a treduce loop body becomes per-stage task jaxprs, by dataflow.
+
+Note: stage assignment.
+  Marks are numbered by order: the k-th fwd mark ends stage k; the k-th bwd mark in
+  body order belongs to stage S-1-k (transposition runs from the last stage down, and
+  a boundary that carries no gradient, which can only be one of the earliest stages',
+  has no bwd mark). Then, in
+  one forward walk over the (inlined) body:
+  - fwd mark k runs in FWD(min(k+1, S-1)) (an identity on the receiving side: its
+    operands are stage k's outputs, sent to stage k+1); bwd mark k runs in BWD(k);
+  - an eqn that depends on a bwd mark's output is backward: BWD(min of the stages of
+    the bwd marks it depends on), the stage whose backward consumes it last;
+  - otherwise an eqn that depends on a forward value is FWD(max of its operands'
+    stages) — everything after the last mark (the loss) is in the last stage;
+  - an eqn that depends on no mark but feeds fwd mark k (all of stage 0, a weight
+    transform of stage k) is FWD(k), the earliest such k;
+  - any other eqn depends only on loop invariants and the microbatch index: it is
+    *free*, copied into every task that consumes it (e.g. slicing the labels).
+  A reverse walk then *sinks* a forward eqn into BWD(s) when all its consumers are in
+  BWD(s) (e.g. the loss's own backward): it runs when its result is needed, and its
+  operands, not its result, are kept as residuals.
+  For schedules with a split backward, BWD(s) becomes BWD_I(s) — the eqns on which
+  another task depends (the cotangents sent to stage s-1) — and BWD_W(s), the rest
+  (weight gradients), run later on the same group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from jax.extend import core as jex_core
+
+from jaxpp_mpi._src.compiler.inline import inline_marked_calls
+from jaxpp_mpi._src.primitives import is_stage_end
+
+FWD, BWD, BWD_I, BWD_W = "F", "B", "I", "W"
+TaskKey = tuple[str, int]  # (kind, stage)
+# A task input: ("mb",) the microbatch index, ("inv", j) loop invariant j, or
+# ("val", name) a value produced by another task of the same microbatch.
+ValueRef = tuple
+
+
+class SplitError(ValueError):
+    """The loop body cannot be split into the schedule's stages."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskJaxpr:
+    """One stage task of one microbatch: `jaxpr(*ins) -> outs`."""
+
+    key: TaskKey
+    jaxpr: jex_core.ClosedJaxpr
+    ins: tuple[ValueRef, ...]
+    outs: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitBody:
+    """The loop body as stage tasks (the result of `split_body`).
+
+    Attributes:
+      num_stages: S.
+      tasks: the non-empty tasks, FWD(0..S-1) then the backward ones by descending
+        stage (a valid sequential order for one microbatch).
+      body_outputs: for each body outvar, ("val", name) of the task value it is,
+        ("inv", j), ("mb",) or ("lit", python value).
+      value_task: the task that produces each named value.
+      value_avals: the aval of each named value.
+    """
+
+    num_stages: int
+    tasks: tuple[TaskJaxpr, ...]
+    body_outputs: tuple[ValueRef, ...]
+    value_task: dict[str, TaskKey]
+    value_avals: dict[str, object]
+
+    def task(self, key: TaskKey) -> TaskJaxpr | None:
+        """The task with this key, or None when it is empty."""
+        return next((t for t in self.tasks if t.key == key), None)
+
+
+def _is_var(x) -> bool:
+    return isinstance(x, jex_core.Var) and not isinstance(x, jex_core.Literal)
+
+
+def _number_marks(eqns, num_stages: int) -> dict[int, tuple[str, int]]:
+    """eqn index -> (direction, stage) for every stage mark; checks the counts."""
+    fwd = [k for k, e in enumerate(eqns) if is_stage_end(e, "fwd")]
+    bwd = [k for k, e in enumerate(eqns) if is_stage_end(e, "bwd")]
+    if len(fwd) != num_stages:
+        raise SplitError(
+            f"the loop body has {len(fwd)} stage marks (mark_stage_end calls) but the "
+            f"schedule has {num_stages} stages: mark the end of every stage, the last "
+            "one included, or build the schedule with the right num_stages"
+        )
+    if len(bwd) > num_stages:
+        raise SplitError(f"the loop body has {len(bwd)} backward marks for {num_stages} stages")
+    marks = {k: ("fwd", s) for s, k in enumerate(fwd)}
+    # Transposition emits bwd marks from the last stage down; stages whose boundary
+    # carries no gradient (only ever the earliest ones) have none.
+    marks.update({k: ("bwd", num_stages - 1 - s) for s, k in enumerate(bwd)})
+    return marks
+
+
+def _assign(eqns, marks, num_stages: int, invars) -> list[TaskKey | None]:
+    """Forward walk of Note: stage assignment; None marks a free eqn."""
+    last = num_stages - 1
+    # Reverse seeding: what a fwd mark k consumes is stage k's, so an eqn upstream of
+    # mark k that depends on no earlier mark (e.g. all of stage 0) is FWD(k), not free.
+    upstream: dict = {}
+    for k in range(len(eqns) - 1, -1, -1):
+        eqn = eqns[k]
+        if k in marks and marks[k][0] == "fwd":
+            seed = marks[k][1]
+        else:
+            seeds = [upstream[v] for v in eqn.outvars if v in upstream]
+            if not seeds:
+                continue
+            seed = min(seeds)
+        for v in eqn.invars:
+            if _is_var(v):
+                upstream[v] = min(seed, upstream.get(v, seed))
+    fstage: dict = {}
+    bstage: dict = {}
+    where: list[TaskKey | None] = []
+    for k, eqn in enumerate(eqns):
+        ins = [v for v in eqn.invars if _is_var(v)]
+        fs = [fstage[v] for v in ins if v in fstage]
+        bs = [bstage[v] for v in ins if v in bstage]
+        if k in marks:
+            direction, s = marks[k]
+            key = (FWD, min(s + 1, last)) if direction == "fwd" else (BWD, s)
+        elif bs:
+            key = (BWD, min(bs))
+        elif fs:
+            key = (FWD, min(max(fs), last))
+        elif any(v in upstream for v in eqn.outvars):
+            key = (FWD, min(upstream[v] for v in eqn.outvars if v in upstream))
+        else:
+            key = None
+        where.append(key)
+        for v in eqn.outvars:
+            if key is None:
+                continue
+            if key[0] == BWD:
+                bstage[v] = key[1]
+                # a backward value also counts as forward for max(): it is late.
+                fstage[v] = max(fs, default=key[1])
+            else:
+                fstage[v] = key[1]
+    return where
+
+
+def _sink(eqns, where, outvars) -> None:
+    """Reverse walk: forward eqns whose consumers are all BWD(s) move into BWD(s)."""
+    consumers: dict = {}
+    for k, eqn in enumerate(eqns):
+        for v in eqn.invars:
+            if _is_var(v):
+                consumers.setdefault(v, []).append(k)
+    is_out = {v for v in outvars if _is_var(v)}
+    for k in range(len(eqns) - 1, -1, -1):
+        key = where[k]
+        if key is None or key[0] != FWD or is_stage_end(eqns[k]):
+            continue
+        users = [c for v in eqns[k].outvars for c in consumers.get(v, ())]
+        if any(v in is_out for v in eqns[k].outvars) or not users:
+            continue
+        if all(where[c] == (BWD, key[1]) for c in users):
+            where[k] = (BWD, key[1])
+
+
+def _split_partial_bwd(eqns, where) -> None:
+    """BWD(s) -> BWD_I(s) (what other tasks need) + BWD_W(s) (the rest)."""
+    producer = {v: k for k, e in enumerate(eqns) for v in e.outvars}
+    needed: set = set()  # values of backward eqns that another task consumes
+    for k, eqn in enumerate(eqns):
+        for v in eqn.invars:
+            p = producer.get(v) if _is_var(v) else None
+            if p is not None and where[p] is not None and where[p][0] == BWD:
+                if where[k] != where[p]:
+                    needed.add(v)
+    for k in range(len(eqns) - 1, -1, -1):
+        key = where[k]
+        if key is None or key[0] != BWD:
+            continue
+        if any(v in needed for v in eqns[k].outvars):
+            where[k] = (BWD_I, key[1])
+            needed.update(v for v in eqns[k].invars if _is_var(v))
+        else:
+            where[k] = (BWD_W, key[1])
+
+
+def split_body(
+    body: jex_core.ClosedJaxpr, num_stages: int, *, partial_bwd: bool = False
+) -> SplitBody:
+    """Splits a treduce body into stage tasks (see Note: stage assignment).
+
+    Args:
+      body: the `treduce_p` body (invars: microbatch index, *invariants).
+      num_stages: the schedule's number of stages.
+      partial_bwd: split BWD into BWD_I + BWD_W (zero-bubble schedules).
+
+    Returns:
+      The SplitBody.
+
+    Raises:
+      SplitError: when the marks do not match `num_stages`.
+    """
+    jaxpr = inline_marked_calls(body.jaxpr)
+    if body.consts:
+        raise SplitError("internal: treduce bodies are closed over no constants")
+    eqns = list(jaxpr.eqns)
+    marks = _number_marks(eqns, num_stages)
+    where = _assign(eqns, marks, num_stages, jaxpr.invars)
+    _sink(eqns, where, jaxpr.outvars)
+    if partial_bwd:
+        _split_partial_bwd(eqns, where)
+    return _build_tasks(jaxpr, eqns, where, num_stages)
+
+
+def _task_order(num_stages: int) -> list[TaskKey]:
+    order = [(FWD, s) for s in range(num_stages)]
+    for s in reversed(range(num_stages)):
+        order += [(BWD, s), (BWD_I, s), (BWD_W, s)]
+    return order
+
+
+def _build_tasks(jaxpr, eqns, where, num_stages: int) -> SplitBody:
+    names: dict = {}
+    for v in jaxpr.invars[:1]:
+        names[v] = ("mb",)
+    for j, v in enumerate(jaxpr.invars[1:]):
+        names.setdefault(v, ("inv", j))
+    counter = 0
+    for eqn in eqns:
+        for v in eqn.outvars:
+            if _is_var(v) and v not in names:
+                names[v] = ("val", f"v{counter}")
+                counter += 1
+
+    # Free eqns go into every task that consumes them (reverse walk, transitive).
+    free_in: list[set[TaskKey]] = [set() for _ in eqns]
+    consumers: dict = {}
+    for k, eqn in enumerate(eqns):
+        for v in eqn.invars:
+            if _is_var(v):
+                consumers.setdefault(v, []).append(k)
+    body_out = {v for v in jaxpr.outvars if _is_var(v)}
+    last_fwd = (FWD, num_stages - 1)
+    for k in range(len(eqns) - 1, -1, -1):
+        if where[k] is not None:
+            continue
+        for v in eqns[k].outvars:
+            for c in consumers.get(v, ()):
+                free_in[k] |= {where[c]} if where[c] is not None else free_in[c]
+            if v in body_out:
+                free_in[k].add(last_fwd)
+
+    order = _task_order(num_stages)
+    task_eqns: dict[TaskKey, list] = {key: [] for key in order}
+    for k, eqn in enumerate(eqns):
+        for key in [where[k]] if where[k] is not None else sorted(free_in[k], key=order.index):
+            task_eqns[key].append(eqn)
+
+    # Where each value is produced; a free value that is a body output is exported
+    # by the last forward task (it is computed there too, see above).
+    free_outs = {v for k, e in enumerate(eqns) if where[k] is None for v in e.outvars}
+    value_task: dict[str, TaskKey] = {}
+    for k, eqn in enumerate(eqns):
+        for v in eqn.outvars:
+            if _is_var(v) and names[v][0] == "val":
+                if v not in free_outs:
+                    value_task[names[v][1]] = where[k]
+                elif v in body_out:
+                    value_task[names[v][1]] = last_fwd
+
+    # Which values each task must export: used by another task, or a body output.
+    used_elsewhere: dict[TaskKey, set] = {key: set() for key in order}
+    for key in order:
+        defined = {v for e in task_eqns[key] for v in e.outvars}
+        for eqn in task_eqns[key]:
+            for v in eqn.invars:
+                if _is_var(v) and v not in defined and names[v][0] == "val" \
+                        and v not in free_outs:
+                    used_elsewhere[value_task[names[v][1]]].add(v)
+    for v in jaxpr.outvars:
+        if _is_var(v) and names[v][0] == "val":
+            used_elsewhere[value_task[names[v][1]]].add(v)
+
+    tasks = []
+    for key in order:
+        body_eqns = task_eqns[key]
+        if not body_eqns:
+            continue
+        defined = {v for e in body_eqns for v in e.outvars}
+        ins, seen = [], set()
+        for eqn in body_eqns:
+            for v in eqn.invars:
+                if _is_var(v) and v not in defined and v not in seen:
+                    seen.add(v)
+                    ins.append(v)
+        outs = [v for e in body_eqns for v in e.outvars if v in used_elsewhere[key]]
+        closed = _closed(ins, outs, body_eqns)
+        tasks.append(TaskJaxpr(key, closed, tuple(names[v] for v in ins),
+                               tuple(names[v][1] for v in outs)))
+    body_outputs = tuple(
+        names[v] if _is_var(v) else ("lit", v.val) for v in jaxpr.outvars
+    )
+    avals = {names[v][1]: v.aval for e in eqns for v in e.outvars
+             if _is_var(v) and names[v][0] == "val"}
+    return SplitBody(num_stages, tuple(tasks), body_outputs, value_task, avals)
+
+
+def _closed(invars: Sequence, outvars: Sequence, eqns: Sequence) -> jex_core.ClosedJaxpr:
+    effects = set()
+    for e in eqns:
+        effects |= set(e.effects)
+    jaxpr = jex_core.Jaxpr([], list(invars), list(outvars), list(eqns), effects)
+    return jex_core.ClosedJaxpr(jaxpr, [])

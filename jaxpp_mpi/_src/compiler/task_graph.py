@@ -1,0 +1,183 @@
+"""The task graph: per-group ordered tasks and the values they exchange (lowering's input)."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping
+from types import MappingProxyType
+
+from ..program import Aval
+
+__all__ = ["TaskGraph", "TaskNode", "Value"]
+
+# Names one value instance, e.g. 'v12' or 'v12@m3' (value v12 of microbatch 3). Opaque
+# to the lowering: only compared for equality and sorted for determinism.
+Value = str
+
+_NO_SPACE = re.compile(r"\S+")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TaskNode:
+    """One executable call placed on one group.
+
+    Attributes:
+      name: task label stored in `Run.task` ('F3s1', 'B3s1', 'pre0'); no whitespace,
+        unique in the graph.
+      group: the MPMD index that runs it.
+      exe: the executable name.
+      ins: the values passed, in the executable's argument order.
+      outs: the values defined, in the executable's result order.
+      donate: a subset of `ins` whose buffers the executable may reuse; see
+        `Note: donation` in `TaskGraph`.
+    """
+
+    name: str
+    group: int
+    exe: str
+    ins: tuple[Value, ...]
+    outs: tuple[Value, ...]
+    donate: tuple[Value, ...] = ()
+
+    def __post_init__(self):
+        for field in ("name", "exe"):
+            text = getattr(self, field)
+            if not isinstance(text, str) or not _NO_SPACE.fullmatch(text):
+                raise ValueError(f"task {self.name!r}: bad {field} {text!r}")
+        object.__setattr__(self, "group", int(self.group))
+        for field in ("ins", "outs", "donate"):
+            object.__setattr__(self, field, tuple(getattr(self, field)))
+        if len(set(self.outs)) != len(self.outs):
+            raise ValueError(f"task {self.name}: an output value is repeated in {self.outs}")
+        for v in self.donate:
+            if self.ins.count(v) != 1 or self.donate.count(v) != 1:
+                raise ValueError(
+                    f"task {self.name}: donated value {v!r} must appear exactly once in ins "
+                    f"{self.ins} and once in donate {self.donate}"
+                )
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskGraph:
+    """What each group runs, in which order, and where step inputs and outputs live.
+
+    Note: donation
+      A task donates a value on its own group: the local buffer of that value (the
+      produced one, an input binding, or the received copy) dies inside the task. No
+      later task of that group may use the value, it may not be a step output of that
+      group, and the lowering sends it to other groups before the donating task runs.
+
+    Attributes:
+      num_groups: the number of MPMD groups.
+      tasks: per group, its tasks in the order the group must run them.
+      inputs: (value, owner group, flat step input index); the value is live on its owner
+        at the start of the step.
+      outputs: (value, flat step output index); the value stays on the group that
+        produced it.
+      avals: the aval of every value (extra entries are ignored).
+    """
+
+    num_groups: int
+    tasks: tuple[tuple[TaskNode, ...], ...]
+    inputs: tuple[tuple[Value, int, int], ...]
+    outputs: tuple[tuple[Value, int], ...]
+    avals: Mapping[Value, Aval]
+
+    def __post_init__(self):
+        object.__setattr__(self, "num_groups", int(self.num_groups))
+        object.__setattr__(self, "tasks", tuple(tuple(ts) for ts in self.tasks))
+        object.__setattr__(self, "inputs", tuple((v, int(g), int(k)) for v, g, k in self.inputs))
+        object.__setattr__(self, "outputs", tuple((v, int(k)) for v, k in self.outputs))
+        object.__setattr__(self, "avals", MappingProxyType(dict(self.avals)))
+
+    def producers(self) -> dict[Value, tuple[int, str]]:
+        """Maps each value to (group, task name) of its producer; task name '' = an input.
+
+        Raises:
+          ValueError: if a value is produced twice.
+        """
+        out: dict[Value, tuple[int, str]] = {}
+
+        def add(v: Value, group: int, what: str) -> None:
+            if v in out:
+                g, t = out[v]
+                old = f"task {t} on group {g}" if t else f"an input of group {g}"
+                new = f"task {what} on group {group}" if what else f"an input of group {group}"
+                raise ValueError(f"value {v!r} is produced twice: by {old} and by {new}")
+            out[v] = (group, what)
+
+        for v, g, _ in self.inputs:
+            add(v, g, "")
+        for ts in self.tasks:
+            for t in ts:
+                for v in t.outs:
+                    add(v, t.group, t.name)
+        return out
+
+    def validate(self) -> None:
+        """Checks the graph's invariants.
+
+        Raises:
+          ValueError: naming the first problem: a bad group count or index, a task listed
+            on another group, a duplicated task name or input/output binding, a value
+            produced twice or never, a value without aval, a same-group use that does not
+            follow its production, or a donation broken as `Note: donation` says.
+        """
+        n = self.num_groups
+        if n < 1 or len(self.tasks) != n:
+            raise ValueError(f"num_groups={n} but tasks has {len(self.tasks)} group lists")
+        names: set[str] = set()
+        for g, ts in enumerate(self.tasks):
+            for t in ts:
+                if t.group != g:
+                    raise ValueError(f"task {t.name} has group {t.group} but is listed on {g}")
+                if t.name in names:
+                    raise ValueError(f"task name {t.name!r} is used twice")
+                names.add(t.name)
+        bindings: set[tuple[int, int]] = set()
+        for v, g, k in self.inputs:
+            if not 0 <= g < n or k < 0:
+                raise ValueError(f"input {v!r}: bad owner group {g} or index {k}")
+            if (g, k) in bindings:
+                raise ValueError(f"input index {k} is bound twice on group {g}")
+            bindings.add((g, k))
+        prod = self.producers()
+        for v in prod:
+            if v not in self.avals:
+                raise ValueError(f"value {v!r} has no aval")
+        out_idx: set[int] = set()
+        for v, k in self.outputs:
+            if v not in prod:
+                raise ValueError(f"output {k} ({v!r}) is never produced")
+            if k < 0 or k in out_idx:
+                raise ValueError(f"output index {k} ({v!r}) is negative or repeated")
+            out_idx.add(k)
+        for g, ts in enumerate(self.tasks):
+            _check_group_order(g, ts, prod, {v for v, _ in self.outputs})
+
+
+def _check_group_order(
+    g: int, tasks: tuple[TaskNode, ...], prod: Mapping[Value, tuple[int, str]], outputs: set[Value]
+) -> None:
+    """Checks one group's list: uses after same-group production, and `Note: donation`."""
+    done: set[Value] = {v for v, (h, t) in prod.items() if h == g and not t}  # inputs of g
+    donated: dict[Value, str] = {}
+    for t in tasks:
+        for v in t.ins:
+            if v not in prod:
+                raise ValueError(f"task {t.name} on group {g}: input {v!r} is never produced")
+            if v in donated:
+                raise ValueError(
+                    f"task {t.name} on group {g} uses {v!r}, which task {donated[v]} donated"
+                )
+            h, p = prod[v]
+            if h == g and v not in done:
+                raise ValueError(
+                    f"task {t.name} on group {g} uses {v!r} before task {p} produces it there"
+                )
+        for v in t.donate:
+            if prod[v][0] == g and v in outputs:
+                raise ValueError(f"task {t.name} on group {g} donates step output {v!r}")
+            donated[v] = t.name
+        done.update(t.outs)
