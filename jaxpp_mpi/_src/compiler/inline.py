@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from jax.extend import core as jex_core
 
+from jaxpp_mpi._src.compiler.jaxpr_util import new_jaxpr
 from jaxpp_mpi._src.primitives import stage_end_p
 
 # primitive name -> param holding the called jaxpr
@@ -53,10 +54,8 @@ def inline_marked_calls(jaxpr: jex_core.Jaxpr) -> jex_core.Jaxpr:
     eqns: list = []
     _inline_into(jaxpr, env, eqns)
     outvars = [_read(env, v) for v in jaxpr.outvars]
-    effects = set()
-    for e in eqns:
-        effects |= set(e.effects)
-    return jex_core.Jaxpr(jaxpr.constvars, jaxpr.invars, outvars, eqns, effects)
+    return new_jaxpr(jaxpr.invars, outvars, eqns, name="inlined body",
+                     constvars=jaxpr.constvars)
 
 
 def _read(env: dict, atom):
@@ -109,4 +108,4 @@ def _renamed(jaxpr: jex_core.Jaxpr, env: dict) -> jex_core.Jaxpr:
         )
         for e in jaxpr.eqns
     ]
-    return jex_core.Jaxpr([], [], [], eqns, jaxpr.effects)
+    return new_jaxpr([], [], eqns, name="inlined call")

@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from jax.extend import core as jex_core
 
 from jaxpp_mpi._src.compiler.inline import inline_marked_calls
+from jaxpp_mpi._src.compiler.jaxpr_util import new_jaxpr
 from jaxpp_mpi._src.primitives import is_stage_end
 
 FWD, BWD, BWD_I, BWD_W = "F", "B", "I", "W"
@@ -302,7 +303,7 @@ def _build_tasks(jaxpr, eqns, where, num_stages: int) -> SplitBody:
                     seen.add(v)
                     ins.append(v)
         outs = [v for e in body_eqns for v in e.outvars if v in used_elsewhere[key]]
-        closed = _closed(ins, outs, body_eqns)
+        closed = _closed(ins, outs, body_eqns, f"task {key[0]}{key[1]}")
         tasks.append(TaskJaxpr(key, closed, tuple(names[v] for v in ins),
                                tuple(names[v][1] for v in outs)))
     body_outputs = tuple(
@@ -313,9 +314,6 @@ def _build_tasks(jaxpr, eqns, where, num_stages: int) -> SplitBody:
     return SplitBody(num_stages, tuple(tasks), body_outputs, value_task, avals)
 
 
-def _closed(invars: Sequence, outvars: Sequence, eqns: Sequence) -> jex_core.ClosedJaxpr:
-    effects = set()
-    for e in eqns:
-        effects |= set(e.effects)
-    jaxpr = jex_core.Jaxpr([], list(invars), list(outvars), list(eqns), effects)
-    return jex_core.ClosedJaxpr(jaxpr, [])
+def _closed(invars: Sequence, outvars: Sequence, eqns: Sequence, name: str
+            ) -> jex_core.ClosedJaxpr:
+    return jex_core.ClosedJaxpr(new_jaxpr(invars, outvars, eqns, name=name), [])
