@@ -1,41 +1,68 @@
-"""jaxpp_mpi: MPMD pipeline parallelism for JAX, launched and connected by MPI."""
+"""jaxpp_mpi: MPMD pipeline parallelism for JAX, launched and connected by MPI.
 
-from jaxpp_mpi._src.primitives import mark_stage_end as mark_stage_end
-from jaxpp_mpi._src.primitives import pipeline_enter_stage as pipeline_enter_stage
-from jaxpp_mpi._src.schedule_check import ScheduleError as ScheduleError
-from jaxpp_mpi._src.schedule_csv import CustomSchedule as CustomSchedule
-from jaxpp_mpi._src.schedules import BaseSchedule as BaseSchedule
-from jaxpp_mpi._src.schedules import DualPipeV as DualPipeV
-from jaxpp_mpi._src.schedules import Eager1F1B as Eager1F1B
-from jaxpp_mpi._src.schedules import GPipe as GPipe
-from jaxpp_mpi._src.schedules import Interleaved1F1B as Interleaved1F1B
-from jaxpp_mpi._src.schedules import KimiK2 as KimiK2
-from jaxpp_mpi._src.schedules import Std1F1B as Std1F1B
-from jaxpp_mpi._src.schedules import ZeroBubble as ZeroBubble
-from jaxpp_mpi._src.treduce import Add as Add
-from jaxpp_mpi._src.treduce import Concat as Concat
-from jaxpp_mpi._src.treduce import Max as Max
-from jaxpp_mpi._src.treduce import Op as Op
-from jaxpp_mpi._src.treduce import treduce as treduce
-from jaxpp_mpi._src.treduce import treduce_i as treduce_i
+The public names are re-exported lazily (PEP 562): `import jaxpp_mpi.schedules` and the
+schedule CLI stay free of JAX and MPI, and `jaxpp_mpi.X` imports X's module on first use.
+"""
 
-__all__ = [
-    "Add",
-    "BaseSchedule",
-    "Concat",
-    "CustomSchedule",
-    "DualPipeV",
-    "Eager1F1B",
-    "GPipe",
-    "Interleaved1F1B",
-    "KimiK2",
-    "Max",
-    "Op",
-    "ScheduleError",
-    "Std1F1B",
-    "ZeroBubble",
-    "mark_stage_end",
-    "pipeline_enter_stage",
-    "treduce",
-    "treduce_i",
-]
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+# public name -> private module under jaxpp_mpi._src
+_EXPORTS = {
+    "mark_stage_end": "primitives",
+    "pipeline_enter_stage": "primitives",
+    "ScheduleError": "schedule_check",
+    "CustomSchedule": "schedule_csv",
+    "BaseSchedule": "schedules",
+    "DualPipeV": "schedules",
+    "Eager1F1B": "schedules",
+    "GPipe": "schedules",
+    "Interleaved1F1B": "schedules",
+    "KimiK2": "schedules",
+    "Std1F1B": "schedules",
+    "ZeroBubble": "schedules",
+    "Add": "treduce",
+    "Concat": "treduce",
+    "Max": "treduce",
+    "Op": "treduce",
+    "treduce": "treduce",
+    "treduce_i": "treduce",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'jaxpp_mpi' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"jaxpp_mpi._src.{module}"), name)
+    globals()[name] = value  # later look-ups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:  # what static tools see; the same names as _EXPORTS
+    from jaxpp_mpi._src.primitives import mark_stage_end as mark_stage_end
+    from jaxpp_mpi._src.primitives import pipeline_enter_stage as pipeline_enter_stage
+    from jaxpp_mpi._src.schedule_check import ScheduleError as ScheduleError
+    from jaxpp_mpi._src.schedule_csv import CustomSchedule as CustomSchedule
+    from jaxpp_mpi._src.schedules import BaseSchedule as BaseSchedule
+    from jaxpp_mpi._src.schedules import DualPipeV as DualPipeV
+    from jaxpp_mpi._src.schedules import Eager1F1B as Eager1F1B
+    from jaxpp_mpi._src.schedules import GPipe as GPipe
+    from jaxpp_mpi._src.schedules import Interleaved1F1B as Interleaved1F1B
+    from jaxpp_mpi._src.schedules import KimiK2 as KimiK2
+    from jaxpp_mpi._src.schedules import Std1F1B as Std1F1B
+    from jaxpp_mpi._src.schedules import ZeroBubble as ZeroBubble
+    from jaxpp_mpi._src.treduce import Add as Add
+    from jaxpp_mpi._src.treduce import Concat as Concat
+    from jaxpp_mpi._src.treduce import Max as Max
+    from jaxpp_mpi._src.treduce import Op as Op
+    from jaxpp_mpi._src.treduce import treduce as treduce
+    from jaxpp_mpi._src.treduce import treduce_i as treduce_i
