@@ -1,0 +1,136 @@
+"""MpmdMesh / MpmdArray under mpirun: one group per rank, errors raised on every rank.
+
+Runs with each rank's own device count K (1 by default; 2 with
+XLA_FLAGS=--xla_force_host_platform_device_count=2 set before launch/jpprun).
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+from mpi4py import MPI
+
+from jaxpp_mpi._src.array import MpmdArray, MpmdSharding, mpmd_array_from_local
+from jaxpp_mpi._src.mesh import MpmdMesh, make_mpmd_mesh
+
+WORLD = MPI.COMM_WORLD
+RANK, SIZE = WORLD.rank, WORLD.size
+K = jax.local_device_count()
+
+
+@pytest.fixture(scope="module")
+def mesh() -> MpmdMesh:
+    return make_mpmd_mesh((SIZE, K), ("stage", "data"), "stage")
+
+
+def _raises_everywhere(fn, exc, match: str) -> None:
+    """`fn` raises `exc` matching `match` on this rank, and did so on every rank."""
+    try:
+        fn()
+    except exc as e:
+        ok = bool(re.search(match, str(e)))
+        msg = str(e)
+    else:
+        ok, msg = False, "no exception"
+    results = WORLD.allgather((ok, msg))
+    assert all(r[0] for r in results), results
+
+
+@pytest.mark.mpi(min_size=2)
+def test_make_mpmd_mesh(mesh):
+    assert not mesh.is_local
+    assert mesh.mpmd_dim == SIZE and mesh.my_mpmd_axis_index == RANK
+    assert mesh.local_groups == (RANK,)
+    assert mesh.group_shape == {"data": K} and mesh.group_size == K
+    own = mesh.group_mesh(RANK)
+    assert own.axis_names == ("data",)
+    assert list(own.devices.flat) == jax.local_devices()
+    assert mesh.lowering_mesh() == own
+    assert dict(mesh.mpmd_submesh((RANK,)).shape) == {"stage": 1, "data": K}
+    other = (RANK + 1) % SIZE
+    with pytest.raises(ValueError, match=f"group {other} lives on MPI rank {other}"):
+        mesh.group_mesh(other)
+    with pytest.raises(ValueError, match="only a local-mode mesh"):
+        mesh.unstack
+
+
+@pytest.mark.mpi(min_size=2)
+def test_comm_is_a_congruent_duplicate(mesh):
+    assert mesh.comm is not WORLD
+    assert mesh.comm != WORLD
+    assert MPI.Comm.Compare(mesh.comm, WORLD) == MPI.CONGRUENT
+    assert mesh.comm.rank == RANK and mesh.comm.size == SIZE
+
+
+@pytest.mark.mpi(min_size=2)
+def test_wrong_rank_count_raises_everywhere():
+    _raises_everywhere(
+        lambda: make_mpmd_mesh((SIZE + 1, K), ("stage", "data"), "stage"),
+        ValueError,
+        rf"mesh wants {SIZE + 1} groups \(axis 'stage'\) but the job has {SIZE} ranks: "
+        rf"run with mpirun -n {SIZE + 1}",
+    )
+
+
+@pytest.mark.mpi(min_size=2)
+def test_wrong_device_count_raises_everywhere():
+    _raises_everywhere(
+        lambda: make_mpmd_mesh((SIZE, K + 1), ("stage", "data"), "stage"),
+        ValueError,
+        rf"each rank needs {K + 1} devices .*this rank has {K}: set "
+        r"XLA_FLAGS=--xla_force_host_platform_device_count",
+    )
+
+
+@pytest.mark.mpi(min_size=2)
+def test_local_style_mesh_under_mpi_raises_everywhere():
+    if K < 2:
+        jmesh = Mesh(np.array(jax.local_devices()), ("data",))
+        # Explicit comm with an MPMD axis absent is fine (MPI mode) ...
+        mm = MpmdMesh(jmesh, "stage", comm=WORLD)
+        assert mm.mpmd_dim == SIZE and mm.comm is WORLD
+        return
+    # ... but an MPMD axis spanning several local groups is not, with K >= 2.
+    jmesh = Mesh(np.array(jax.local_devices()[:2]), ("stage",))
+    _raises_everywhere(lambda: MpmdMesh(jmesh, "stage"), ValueError,
+                       rf"puts all 2 MPMD groups .* MPI job has {SIZE} ranks")
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("owners", ["first", "last", "all", "even"])
+def test_array_addressability(mesh, owners):
+    ids = {"first": (0,), "last": (SIZE - 1,), "all": tuple(range(SIZE)),
+           "even": tuple(range(0, SIZE, 2))}[owners]
+    spec = P("data") if K > 1 else P()
+    sharding = MpmdSharding(mesh, ids, spec)
+    value = np.arange(4 * K * 3, dtype=np.float32).reshape(4 * K, 3)
+    a = mpmd_array_from_local(mesh, value, sharding)
+    owned = RANK in ids
+    assert a.mpmd_idxs == frozenset(ids)
+    assert a.is_partially_addressable == owned
+    assert a.is_mpmd_replicated == (len(ids) > 1)
+    assert a.shape == value.shape and a.dtype == np.float32
+    if owned:
+        local = a.to_mpmd_local_array
+        assert isinstance(local, jax.Array)
+        assert local.sharding.device_set == set(jax.local_devices())
+        assert local.sharding.is_equivalent_to(sharding.sharding_for(RANK), 2)
+        assert a.sharding == sharding.sharding_for(RANK)
+        np.testing.assert_array_equal(np.asarray(a), value)
+        assert (a.first_mpmd_replica is local) == (RANK == min(ids))
+    else:
+        assert a.to_mpmd_local_array is None and a.first_mpmd_replica is None
+        with pytest.raises(TypeError, match=f"not on this rank \\({RANK}\\)"):
+            np.asarray(a)
+        with pytest.raises(ValueError, match=f"rank {RANK} does not hold this value"):
+            a.sharding
+        with pytest.raises(ValueError, match="shape and dtype must be given"):
+            MpmdArray([], sharding)
+    a.block_until_ready()
+    a.delete()
+    assert a.is_deleted()

@@ -1,0 +1,244 @@
+"""MpmdSharding and MpmdArray in one process: local mode, and MPI mode with a fake comm."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxpp_mpi._src.array import MpmdArray, MpmdSharding, mpmd_array_from_local
+from jaxpp_mpi._src.mesh import MpmdMesh, make_mpmd_mesh
+
+
+class FakeComm:
+    """Stands in for an MPI communicator: MpmdMesh only asks for rank and size."""
+
+    def __init__(self, rank: int, size: int):
+        self.rank, self.size = rank, size
+
+    def Get_rank(self) -> int:  # noqa: N802
+        return self.rank
+
+    def Get_size(self) -> int:  # noqa: N802
+        return self.size
+
+
+@pytest.fixture
+def mesh42() -> MpmdMesh:
+    return make_mpmd_mesh((4, 2), ("stage", "data"), "stage")
+
+
+@pytest.fixture
+def mesh222() -> MpmdMesh:
+    return make_mpmd_mesh((2, 2, 2), ("stage", "data", "model"), "stage")
+
+
+def _value(shape=(8, 6), dtype=np.float32) -> np.ndarray:
+    return np.arange(np.prod(shape), dtype=dtype).reshape(shape)
+
+
+# -- MpmdSharding ---------------------------------------------------------------------
+
+
+def test_sharding_normalises_ids(mesh42):
+    s = MpmdSharding(mesh42, frozenset({3, 0}), P("data"))
+    assert s.mesh_ids == (0, 3)
+    assert MpmdSharding(mesh42, 2, P()).mesh_ids == (2,)
+    assert MpmdSharding(mesh42, [3, 0, 3], P("data")) == s
+    assert hash(MpmdSharding(mesh42, (0, 3), P("data"))) == hash(s)
+    assert MpmdSharding(mesh42, (0,), None).spec == P()
+    assert repr(s) == "MpmdSharding(groups=(0, 3), spec=P('data'))"
+    assert repr(MpmdSharding(mesh42, 1, P(None, "data"))) == (
+        "MpmdSharding(groups=(1,), spec=P(None, 'data'))")
+    with pytest.raises(AttributeError):
+        s.spec = P()
+
+
+@pytest.mark.parametrize("ids,spec,error,message", [
+    ((), P(), ValueError, "at least one MPMD group"),
+    ((0, 4), P(), ValueError, r"mesh_ids \(0, 4\) out of range: the mesh has 4 groups"),
+    ((-1,), P(), ValueError, "out of range"),
+    ((0,), P("stage"), ValueError, "names the MPMD axis 'stage'"),
+    ((0,), P(("data", "stage")), ValueError, "names the MPMD axis 'stage'"),
+    ((0,), P("model"), ValueError, r"names axes \['model'\] that the group mesh lacks"),
+    ((0,), P("data", "data"), ValueError, "more than once"),
+    (("0",), P(), TypeError, "must be MPMD indexes"),
+    ((0,), ("data",), TypeError, "must be a jax.sharding.PartitionSpec"),
+])
+def test_sharding_errors(mesh42, ids, spec, error, message):
+    with pytest.raises(error, match=message):
+        MpmdSharding(mesh42, ids, spec)
+
+
+def test_sharding_for_and_submesh_sharding(mesh222):
+    s = MpmdSharding(mesh222, (0, 1), P("data", "model"))
+    for i in (0, 1):
+        ns = s.sharding_for(i)
+        assert isinstance(ns, NamedSharding)
+        assert ns.mesh == mesh222.group_mesh(i) and ns.spec == P("data", "model")
+    whole = s.sharding
+    assert whole.mesh == mesh222.mpmd_submesh((0, 1))
+    assert dict(whole.mesh.shape) == {"stage": 2, "data": 2, "model": 2}
+    assert whole.spec == P("data", "model")
+    assert s.local_mesh_ids == (0, 1)
+
+
+def test_sharding_for_non_member(mesh42):
+    with pytest.raises(ValueError, match="group 1 does not hold this value"):
+        MpmdSharding(mesh42, (0, 3), P()).sharding_for(1)
+
+
+# -- MpmdArray, local mode ------------------------------------------------------------
+
+
+def test_single_group_array(mesh42):
+    s = MpmdSharding(mesh42, (2,), P("data"))
+    value = _value()
+    a = mpmd_array_from_local(mesh42, value, s)
+    assert a.mpmd_idxs == frozenset({2})
+    assert a.is_partially_addressable and not a.is_mpmd_replicated
+    local = a.to_mpmd_local_array
+    assert isinstance(local, jax.Array)
+    assert local.sharding.device_set == set(mesh42.devices_of(2))
+    assert local.sharding.is_equivalent_to(s.sharding_for(2), 2)
+    assert a.first_mpmd_replica is local
+    assert a.local_arrays == {2: local}
+    assert a.shape == (8, 6) and a.dtype == np.float32 and a.ndim == 2
+    assert a.size == 48 and a.nbytes == 192
+    assert a.aval == jax.core.ShapedArray((8, 6), jnp.float32)
+    assert a.spec == P("data") and a.mpmd_sharding is s
+    assert a.sharding.mesh == mesh42.mpmd_submesh((2,))
+    np.testing.assert_array_equal(np.asarray(a), value)
+    assert np.asarray(a, dtype=np.int32).dtype == np.int32
+    assert a.block_until_ready() is a
+    assert repr(a) == "MpmdArray(shape=(8, 6), dtype=float32, groups=(2,), spec=P('data'))"
+
+
+def test_replicated_array(mesh222):
+    s = MpmdSharding(mesh222, (0, 1), P(None, "model"))
+    value = _value((4, 6))
+    a = mpmd_array_from_local(mesh222, value, s)
+    assert a.is_mpmd_replicated and a.mpmd_idxs == frozenset({0, 1})
+    local = a.to_mpmd_local_array
+    assert isinstance(local, list) and len(local) == 2
+    for idx, arr in zip((0, 1), local):
+        assert arr.sharding.device_set == set(mesh222.devices_of(idx))
+        np.testing.assert_array_equal(np.asarray(arr), value)
+    assert a.first_mpmd_replica is local[0]
+    # The whole sharding spans both groups' devices, unlike a replica's.
+    assert a.sharding.device_set == set(mesh222.devices_of(0)) | set(mesh222.devices_of(1))
+    assert a.sharding != local[0].sharding
+
+
+def test_scalar_and_python_values(mesh42):
+    a = mpmd_array_from_local(mesh42, 3.0, MpmdSharding(mesh42, (1,), P()))
+    assert a.shape == () and a.dtype == np.float32  # canonicalised, like device_put
+    b = mpmd_array_from_local(mesh42, jnp.ones((2, 2), jnp.bfloat16),
+                              MpmdSharding(mesh42, (0, 1), P()))
+    assert b.dtype == jnp.bfloat16
+
+
+def test_delete(mesh42):
+    a = mpmd_array_from_local(mesh42, _value(), MpmdSharding(mesh42, (0, 3), P("data")))
+    replicas = a.partially_addressable_arrays
+    assert not a.is_deleted()
+    a.delete()
+    assert a.is_deleted() and all(r.is_deleted() for r in replicas)
+    assert "deleted" in repr(a)
+    a.delete()  # idempotent
+
+
+def test_donated_replica_counts_as_deleted(mesh42):
+    a = mpmd_array_from_local(mesh42, _value(), MpmdSharding(mesh42, (0, 1), P()))
+    a.partially_addressable_arrays[1].delete()
+    assert a.is_deleted()
+
+
+def test_constructor_validation(mesh42):
+    s = MpmdSharding(mesh42, (0, 1), P("data"))
+    value = _value()
+    r0 = jax.device_put(value, s.sharding_for(0))
+    r1 = jax.device_put(value, s.sharding_for(1))
+    MpmdArray([r0, r1], s)  # ok
+    with pytest.raises(ValueError, match=r"needs 2 local array\(s\).*got 1"):
+        MpmdArray([r0], s)
+    with pytest.raises(ValueError, match=r"replica for group 0 is on devices \[2, 3\], but "
+                                         r"group 0 has devices \[0, 1\]"):
+        MpmdArray([r1, r0], s)
+    with pytest.raises(ValueError, match=r"replica for group 0 is float32\[8, 6\], expected "
+                                         r"float32\[6, 8\]"):
+        MpmdArray([r0, r1], s, shape=(6, 8))
+    with pytest.raises(ValueError, match="expected int32"):
+        MpmdArray([r0, r1], s, dtype=np.int32)
+    other = jax.device_put(value.astype(np.int32), s.sharding_for(1))
+    with pytest.raises(ValueError, match="replica for group 1 is int32"):
+        MpmdArray([r0, other], s)
+    replicated = jax.device_put(value, NamedSharding(mesh42.group_mesh(1), P()))
+    with pytest.raises(ValueError, match=r"laid out as .* not as P\('data'\)"):
+        MpmdArray([r0, replicated], s)
+    with pytest.raises(TypeError, match="must be a jax.Array"):
+        MpmdArray([value, r1], s)
+    with pytest.raises(TypeError, match="must be an MpmdSharding"):
+        MpmdArray([r0], s.sharding_for(0))
+
+
+def test_from_local_checks_mesh(mesh42, mesh222):
+    with pytest.raises(ValueError, match="another mesh"):
+        mpmd_array_from_local(mesh222, _value(), MpmdSharding(mesh42, (0,), P()))
+
+
+# -- MpmdArray, MPI mode (fake comm: this process is rank 1 of 4) ---------------------
+
+
+@pytest.fixture
+def mpi_mesh() -> MpmdMesh:
+    devices = np.array(jax.devices()[2:4]).reshape(1, 2)
+    return MpmdMesh(Mesh(devices, ("stage", "data")), "stage", comm=FakeComm(1, 4))
+
+
+def test_mpi_not_owned(mpi_mesh):
+    s = MpmdSharding(mpi_mesh, (0, 2), P("data"))
+    a = mpmd_array_from_local(mpi_mesh, _value(), s)
+    assert a.partially_addressable_arrays == []
+    assert not a.is_partially_addressable and a.is_mpmd_replicated
+    assert a.to_mpmd_local_array is None and a.first_mpmd_replica is None
+    assert a.shape == (8, 6) and a.dtype == np.float32
+    assert a.block_until_ready() is a
+    with pytest.raises(TypeError, match=r"lives on groups \(0, 2\), not on this rank \(1\)"):
+        np.asarray(a)
+    with pytest.raises(ValueError, match="rank 1 does not hold this value"):
+        a.sharding
+    assert "groups=(0, 2)" in repr(a)
+    a.delete()
+    assert a.is_deleted()
+
+
+def test_mpi_not_owned_needs_shape_and_dtype(mpi_mesh):
+    s = MpmdSharding(mpi_mesh, (0,), P())
+    with pytest.raises(ValueError, match="shape and dtype must be given"):
+        MpmdArray([], s, shape=(2,))
+    a = MpmdArray([], s, shape=(2,), dtype=jnp.bfloat16)
+    assert a.aval == jax.core.ShapedArray((2,), jnp.bfloat16)
+
+
+def test_mpi_owned(mpi_mesh):
+    s = MpmdSharding(mpi_mesh, (1, 3), P("data"))
+    a = mpmd_array_from_local(mpi_mesh, _value(), s)
+    local = a.to_mpmd_local_array
+    assert isinstance(local, jax.Array) and a.is_partially_addressable
+    assert local.sharding.device_set == set(jax.devices()[2:4])
+    assert a.first_mpmd_replica is local  # rank 1 is the lowest owner
+    assert a.sharding.mesh == mpi_mesh.group_mesh(1)
+    np.testing.assert_array_equal(np.asarray(a), _value())
+    with pytest.raises(ValueError, match=r"on rank 1 needs 1 local array\(s\)"):
+        MpmdArray([local, local], s)
+
+
+def test_mpi_owned_not_first(mpi_mesh):
+    a = mpmd_array_from_local(mpi_mesh, _value(), MpmdSharding(mpi_mesh, (0, 1), P()))
+    assert a.is_partially_addressable and a.to_mpmd_local_array is not None
+    assert a.first_mpmd_replica is None
+    np.testing.assert_array_equal(np.asarray(a), _value())
