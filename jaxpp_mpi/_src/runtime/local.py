@@ -1,0 +1,190 @@
+"""The local executor: every group of a Program in this one process.
+
+Note: local order.
+  In local mode all groups share one Python thread, so their programs are interleaved
+  into one global order, computed once in the constructor by a rendezvous play like
+  `simulate.verify`: round-robin over the groups, each advances through Run and Free
+  and stops at a message half until its peer reaches the matching half; a matched
+  message becomes one transfer step, `jax.device_put(x, shardings(dst, aval))`, placed
+  right there (the sender is still at its send, so `x` is live; the receiver is at its
+  receive, so nothing it runs later is out of order). A SendRecv waits for both halves.
+  Each `run` then just walks that flat list. JAX dispatch is asynchronous, so the
+  global order costs no overlap: the devices of different groups still work together.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+
+from ..program import Aval, Free, Program, Run, SendRecv
+from ..program_passes import match_messages, recv_half, send_half
+from ..simulate import verify
+from .executor import (
+    BufferLayout,
+    Executable,
+    InputBinder,
+    OutputCollector,
+    ShardingFn,
+    Step,
+    StepBinder,
+    Table,
+    bind_free,
+    bind_run,
+    bind_steps,
+    execute,
+)
+
+__all__ = ["LocalExecutor", "Transfer", "local_order"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Transfer:
+    """One matched message of the local order: `src_buf` of `src` to `dst_buf` of `dst`."""
+
+    src: int
+    src_buf: int
+    dst: int
+    dst_buf: int
+    aval: Aval
+
+
+def local_order(program: Program) -> list[tuple[int, Run | Free | Transfer]]:
+    """Interleaves the groups' programs into one global order (see `Note: local order`).
+
+    Args:
+      program: a program that `verify` accepts.
+
+    Returns:
+      (group, op) pairs: Run and Free instructions of that group, and `Transfer`s (with
+      the receiving group), in an order valid for every group.
+    """
+    matching = match_messages(program)
+    instrs = [g.instrs for g in program.groups]
+    n = len(instrs)
+    pcs = [0] * n
+    done: list[set[str]] = [set() for _ in range(n)]  # halves matched at the current pc
+    order: list[tuple[int, Run | Free | Transfer]] = []
+
+    def transfer(s: int, i: int, d: int, j: int) -> None:
+        buf, _, _ = send_half(instrs[s][i])  # type: ignore[misc]
+        rbuf, _, _, aval = recv_half(instrs[d][j])  # type: ignore[misc]
+        order.append((d, Transfer(s, buf, d, rbuf, aval)))
+        done[s].add("send")
+        done[d].add("recv")
+
+    progress = True
+    while progress:
+        progress = False
+        for a in range(n):
+            while pcs[a] < len(instrs[a]):
+                pc, instr = pcs[a], instrs[a][pcs[a]]
+                if isinstance(instr, (Run, Free)):
+                    order.append((a, instr))
+                else:
+                    peer = matching.recv_of[a].get(pc)
+                    if peer is not None and "send" not in done[a] and pcs[peer[0]] == peer[1]:
+                        transfer(a, pc, *peer)
+                    peer = matching.send_of[a].get(pc)
+                    if peer is not None and "recv" not in done[a] and pcs[peer[0]] == peer[1]:
+                        transfer(*peer, a, pc)
+                    if len(done[a]) < (2 if isinstance(instr, SendRecv) else 1):
+                        break
+                    done[a] = set()
+                pcs[a] = pc + 1
+                progress = True
+    if any(pc < len(code) for pc, code in zip(pcs, instrs)):  # verify() rules this out
+        raise AssertionError(f"local order stuck at {pcs}")
+    return order
+
+
+def _bind_transfer(layout: BufferLayout, shardings: ShardingFn) -> StepBinder:
+    def bind(group: int, op: Transfer) -> tuple[Step, Step]:
+        src, dst = layout.slot(op.src, op.src_buf), layout.slot(op.dst, op.dst_buf)
+        sharding = shardings(op.dst, op.aval)
+
+        def move(table: Table, times: Any) -> None:
+            table[dst] = jax.device_put(table[src], sharding)
+
+        return move, move
+
+    return bind
+
+
+class LocalExecutor:
+    """Runs a whole Program in this process (local mode, see DESIGN.md §1).
+
+    Everything is planned in the constructor (`Note: executor steps`, `Note: local
+    order`); `run` walks a flat list of closures.
+
+    Args:
+      program: the program; it is verified here (`simulate.verify`, leaks allowed).
+      executables: `executables[g][name]` runs Run instructions `name` of group g: it
+        takes the Run's input arrays positionally and returns a tuple or list of arrays,
+        one per `Run.outs`, typically a `jax.jit` function placed on group g's devices.
+      shardings: `shardings(g, aval)` is the sharding a value of group g with `aval`
+        must have: step inputs are placed with it, and a message to group g is
+        `jax.device_put(x, shardings(g, recv.aval))`.
+
+    Raises:
+      ProgramError: (a ValueError) if the program does not verify.
+      ValueError: if `executables` does not have one mapping per group, or lacks an
+        executable that a Run names.
+    """
+
+    def __init__(
+        self,
+        program: Program,
+        executables: Sequence[Mapping[str, Executable]],
+        shardings: ShardingFn,
+    ):
+        if len(executables) != program.num_groups:
+            raise ValueError(
+                f"got executables for {len(executables)} groups, the program has "
+                f"{program.num_groups}"
+            )
+        verify(program, check_leaks=False)
+        self.program = program
+        groups = program.groups
+        self.layout = layout = BufferLayout(groups)
+        self._new_table = layout.new_table
+        binders: dict[type, StepBinder] = {
+            Run: bind_run(layout, executables),
+            Free: bind_free(layout),
+            Transfer: _bind_transfer(layout, shardings),
+        }
+        self._steps = bind_steps(local_order(program), binders)
+        self.num_inputs = 1 + max((k for g in groups for _, k in g.inputs), default=-1)
+        self.num_outputs = 1 + max((k for g in groups for _, k in g.outputs), default=-1)
+        self._bind_inputs = InputBinder(layout, groups, shardings, self.num_inputs)
+        self._collect = OutputCollector(layout, groups, self.num_outputs)
+
+    def run_replicas(self, step_inputs: Sequence[Any]) -> list[dict[int, jax.Array]]:
+        """Runs one step; returns, per flat output index, {group: array} of its holders.
+
+        Args:
+          step_inputs: the flat step inputs (index = `GroupProgram.inputs`' second
+            element); None where no group uses one. Arrays are placed as `InputBinder`
+            says: already on `shardings(g, aval)` they are used as is.
+
+        Raises:
+          ValueError: on a wrong number of inputs, a None input that is used, an
+            executable returning the wrong number of values, or an output not live at
+            the end.
+        """
+        table = self._new_table()
+        self._bind_inputs(table, step_inputs)
+        execute(self._steps, table)
+        return self._collect(table)
+
+    def run(self, step_inputs: Sequence[Any]) -> list[jax.Array | None]:
+        """Runs one step; returns the flat outputs.
+
+        Output k is the array of the lowest-numbered group holding output k (an output
+        replicated on several groups: see `run_replicas`), None if no group has one.
+        Each array lives on its group's devices. Args and errors as `run_replicas`.
+        """
+        return [min(r.items())[1] if r else None for r in self.run_replicas(step_inputs)]
