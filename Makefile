@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 # Each MPI test run: pytest-mpi on every rank, a per-test timeout, a hard outer timeout;
 # a failure on any rank aborts the whole job (tests/conftest.py, "MPI harness").
 MPI_PYTEST   = timeout -k 10 $(MPI_TIMEOUT) $(JPPRUN) -n $(1) python -m pytest tests/mpi \
-               --with-mpi -p no:cacheprovider --timeout=300 -q $(PYTEST_ARGS)
+               --with-mpi -p no:cacheprovider --timeout=300 --color=no -q $(PYTEST_ARGS)
 
 .PHONY: install test test-unit test-mpi example bench lint clean
 
