@@ -11,14 +11,14 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-from jax.extend import core as jex_core
-from jax.extend import linear_util as lu
-from jax.interpreters import partial_eval as pe
 
 # Why: `api_util.debug_info` builds the DebugInfo that `lu.wrap_init` needs; the
 # public `jax.extend.linear_util.wrap_init` fills in a placeholder and is marked
 # deprecated for that use. There is no public constructor for a real one.
 from jax._src import api_util as _api_util
+from jax.extend import core as jex_core
+from jax.extend import linear_util as lu
+from jax.interpreters import partial_eval as pe
 
 __all__ = ["trace_closure_converted"]
 

@@ -41,7 +41,7 @@ def reference_treduce_i(fun, length, operation):
                        is_leaf=lambda x: isinstance(x, type))
     state = jax.tree.map(lambda op, a: op.state(length, a), ops, out)
     for i in range(1, length):
-        state = jax.tree.map(lambda op, s, v: op.update(s, v, i), ops, state, fun(i))
+        state = jax.tree.map(lambda op, s, v, i=i: op.update(s, v, i), ops, state, fun(i))
     return state
 
 
