@@ -1,8 +1,11 @@
-"""Inline pass: call-like eqns that hold stage marks are flattened into their caller.
+"""Inline passes: call-like eqns are flattened into their caller.
 
 A user model wrapped in `jax.jit` (or `jax.checkpoint`) puts its stage marks inside a
 `pjit` (or `remat`) eqn; the split pass needs every mark at the top level of the loop
-body. Call eqns without marks stay whole (they are opaque units of one task).
+body (`inline_marked_calls`; call eqns without marks stay whole, opaque units of one
+task). Around the loop, an optimizer or a whole step wrapped in `jax.jit` would be one
+eqn placed on one group; `inline_calls` flattens every call so each leaf's update is
+placed with its own operands (and a treduce inside a jitted helper becomes top-level).
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 from jax.extend import core as jex_core
 
 from jaxpp_mpi._src.compiler.jaxpr_util import new_jaxpr
+from jaxpp_mpi._src.errors import CompileError
 from jaxpp_mpi._src.primitives import stage_end_p
 
 # primitive name -> param holding the called jaxpr
@@ -19,7 +23,7 @@ _OPAQUE = ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "scan"
            "cond")
 
 
-class InlineError(ValueError):
+class InlineError(CompileError):
     """A stage mark sits where the compiler cannot reach it."""
 
 
@@ -52,9 +56,29 @@ def inline_marked_calls(jaxpr: jex_core.Jaxpr) -> jex_core.Jaxpr:
         return jaxpr
     env: dict = {}
     eqns: list = []
-    _inline_into(jaxpr, env, eqns)
+    _inline_into(jaxpr, env, eqns, everything=False)
     outvars = [_read(env, v) for v in jaxpr.outvars]
     return new_jaxpr(jaxpr.invars, outvars, eqns, name="inlined body",
+                     constvars=jaxpr.constvars)
+
+
+def inline_calls(jaxpr: jex_core.Jaxpr) -> jex_core.Jaxpr:
+    """Returns `jaxpr` with every call eqn (`jax.jit`, `closed_call`, remat) inlined,
+    recursively; control flow and custom-derivative eqns stay whole.
+
+    Args:
+      jaxpr: a traced step (the code around the loop).
+
+    Returns:
+      An equivalent jaxpr with the same invars, constvars and outvars.
+    """
+    if not any(e.primitive.name in _CALLS for e in jaxpr.eqns):
+        return jaxpr
+    env: dict = {}
+    eqns: list = []
+    _inline_into(jaxpr, env, eqns, everything=True)
+    outvars = [_read(env, v) for v in jaxpr.outvars]
+    return new_jaxpr(jaxpr.invars, outvars, eqns, name="inlined step",
                      constvars=jaxpr.constvars)
 
 
@@ -64,13 +88,13 @@ def _read(env: dict, atom):
     return env.get(atom, atom)
 
 
-def _inline_into(jaxpr: jex_core.Jaxpr, env: dict, out: list) -> None:
+def _inline_into(jaxpr: jex_core.Jaxpr, env: dict, out: list, *, everything: bool) -> None:
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
         subs = list(jex_core.jaxprs_in_params(eqn.params))
         marked = [s for s in subs
                   if _has_mark(s.jaxpr if isinstance(s, jex_core.ClosedJaxpr) else s)]
-        if marked and name in _CALLS:
+        if (marked or everything) and name in _CALLS:
             sub = eqn.params[_CALLS[name]]
             closed = sub if isinstance(sub, jex_core.ClosedJaxpr) else None
             inner = closed.jaxpr if closed else sub
@@ -85,10 +109,10 @@ def _inline_into(jaxpr: jex_core.Jaxpr, env: dict, out: list) -> None:
                 for v in inner_eqn.outvars:
                     if not isinstance(v, jex_core.DropVar):
                         inner_env[v] = jex_core.Var(v.aval)
-            _inline_into(_renamed(inner, inner_env), env, out)
+            _inline_into(_renamed(inner, inner_env), env, out, everything=everything)
             for v, a in zip(eqn.outvars, inner.outvars):
                 env[v] = _read(env, _read(inner_env, a))
-        elif marked:
+        elif marked and not everything:
             raise InlineError(
                 f"a stage mark (mark_stage_end) is inside a `{name}` "
                 f"({'control flow' if name in _OPAQUE else 'primitive'}); marks must be in "

@@ -17,7 +17,7 @@ Note: outer placement.
     next step needs no reshard), else the lowest group that needs it. Other groups
     that need it receive it from the owner at the start of the step.
   - a step output is held by the group that computes it; a free output (computed from
-    step inputs only, or an input passed through) is computed on group 0.
+    step inputs only) is computed on group 0; an input passed through stays on its owner.
 """
 
 from __future__ import annotations
@@ -39,12 +39,15 @@ class OuterPlan:
       input_owner: per flat step input, its owner group (None: unused).
       input_needed: per flat step input, every group that reads it (owner included).
       output_group: per flat step output, the group that holds it.
+      homed: the post-loop eqns that run on one group because an operand lives there
+        (the others in `eqn_groups` are free: replicated on every group needing them).
     """
 
     eqn_groups: dict[int, tuple[int, ...]]
     input_owner: tuple[int | None, ...]
     input_needed: tuple[frozenset[int], ...]
     output_group: tuple[int, ...]
+    homed: frozenset[int] = frozenset()
 
 
 def _is_var(x) -> bool:
@@ -126,6 +129,9 @@ def place_outer(
     for v in jaxpr.outvars:
         if _is_var(v) and v in home:
             output_group.append(home[v])
+        elif _is_var(v) and v in invars:  # an input passed through stays with its owner
+            output_group.append(owners[invars.index(v)])
         else:
             output_group.append(0)
-    return OuterPlan(eqn_groups, tuple(owners), tuple(needs), tuple(output_group))
+    return OuterPlan(eqn_groups, tuple(owners), tuple(needs), tuple(output_group),
+                     frozenset(eqn_home))

@@ -33,6 +33,7 @@ from jax.extend import core as jex_core
 
 from jaxpp_mpi._src.compiler.inline import inline_marked_calls
 from jaxpp_mpi._src.compiler.jaxpr_util import new_jaxpr
+from jaxpp_mpi._src.errors import CompileError
 from jaxpp_mpi._src.primitives import is_stage_end
 
 FWD, BWD, BWD_I, BWD_W = "F", "B", "I", "W"
@@ -42,7 +43,7 @@ TaskKey = tuple[str, int]  # (kind, stage)
 ValueRef = tuple
 
 
-class SplitError(ValueError):
+class SplitError(CompileError):
     """The loop body cannot be split into the schedule's stages."""
 
 
@@ -102,6 +103,29 @@ def _number_marks(eqns, num_stages: int) -> dict[int, tuple[str, int]]:
     # carries no gradient (only ever the earliest ones) have none.
     marks.update({k: ("bwd", num_stages - 1 - s) for s, k in enumerate(bwd)})
     return marks
+
+
+def _check_marks_reach_outputs(eqns, marks, outvars) -> None:
+    """Every forward mark's result must flow to a body output (the loss)."""
+    live = {v for v in outvars if _is_var(v)}
+    dead_marks = []
+    for k in range(len(eqns) - 1, -1, -1):
+        eqn = eqns[k]
+        if any(v in live for v in eqn.outvars):
+            live.update(v for v in eqn.invars if _is_var(v))
+        elif k in marks and marks[k][0] == "fwd":
+            dead_marks.append(marks[k][1])
+    if dead_marks:
+        s = min(dead_marks)
+        name = next(e.params.get("name") for k, e in enumerate(eqns)
+                    if marks.get(k) == ("fwd", s))
+        label = f" ({name!r})" if name else ""
+        raise SplitError(
+            f"the result of the mark_stage_end ending stage {s}{label} does not reach the "
+            "loop body's outputs, so the stages after it are not fed by it: use the value "
+            "mark_stage_end returns (x = mark_stage_end(x)), and compute the loss from the "
+            "last stage's marked output"
+        )
 
 
 def _assign(eqns, marks, num_stages: int, invars) -> list[TaskKey | None]:
@@ -214,6 +238,7 @@ def split_body(
         raise SplitError("internal: treduce bodies are closed over no constants")
     eqns = list(jaxpr.eqns)
     marks = _number_marks(eqns, num_stages)
+    _check_marks_reach_outputs(eqns, marks, jaxpr.outvars)
     where = _assign(eqns, marks, num_stages, jaxpr.invars)
     _sink(eqns, where, jaxpr.outvars)
     if partial_bwd:

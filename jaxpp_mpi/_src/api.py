@@ -1,0 +1,300 @@
+"""`mpmd_jit_with_loop`: the user-facing compile-and-run entry point.
+
+Note: calling a compiled step.
+  `MpmdFunction.__call__` looks up (or builds) the `MpmdCompiled` for the arguments'
+  signature — pytree structure, and per leaf shape, dtype, weak type and, for an
+  `MpmdArray`, its spec — so a training loop compiles once. The compiled step takes
+  each flat argument to the group that owns it (an `MpmdArray` already there is used
+  as it is, with no copy), adds the constants and the microbatch indexes (placed once,
+  at compile time), runs the executor and wraps every result as an `MpmdArray` on the
+  groups that hold it. Results feed the next step with no transfer: each updated
+  parameter is produced on the group that owns the parameter.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from jaxpp_mpi._src.array import MpmdArray, MpmdSharding, mpmd_array_from_local
+from jaxpp_mpi._src.compiler.build import StepPlan, build_step, compile_exe
+from jaxpp_mpi._src.mesh import MpmdMesh
+from jaxpp_mpi._src.program import Aval, GroupProgram, Program
+
+__all__ = ["MpmdCompiled", "MpmdFunction", "mpmd_jit_with_loop"]
+
+
+def _is_spec_leaf(x: Any) -> bool:
+    return x is None or isinstance(x, (PartitionSpec, MpmdSharding, NamedSharding))
+
+
+def _per_leaf(prefix: Any, tree: jax.tree_util.PyTreeDef, what: str) -> list[Any]:
+    """Broadcasts a pytree prefix of specs to one entry per leaf of `tree`."""
+    if prefix is None:
+        return [None] * tree.num_leaves
+    leaves, spec_tree = jax.tree.flatten(prefix, is_leaf=_is_spec_leaf)
+    ids = jax.tree.unflatten(tree, range(tree.num_leaves))
+    try:
+        subtrees = spec_tree.flatten_up_to(ids)
+    except (ValueError, TypeError) as e:
+        raise ValueError(
+            f"{what} must be a pytree prefix of the arguments/results with PartitionSpec "
+            f"or None leaves; got structure {spec_tree} for {tree}"
+        ) from e
+    out: list[Any] = [None] * tree.num_leaves
+    for spec, sub in zip(leaves, subtrees):
+        for k in jax.tree.leaves(sub):
+            out[k] = spec
+    return out
+
+
+def _spec_entries(spec: Any, what: str) -> tuple | None:
+    if spec is None:
+        return None
+    if isinstance(spec, (MpmdSharding, NamedSharding)):
+        spec = spec.spec
+    if not isinstance(spec, PartitionSpec):
+        raise TypeError(f"{what}: expected a PartitionSpec or None, got {spec!r}")
+    return tuple(spec)
+
+
+def _abstract(x: Any) -> jax.ShapeDtypeStruct:
+    if isinstance(x, (MpmdArray, jax.Array, jax.ShapeDtypeStruct)):
+        weak = getattr(x, "weak_type", False)
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=weak)
+    weak = isinstance(x, (bool, int, float, complex))
+    arr = np.asarray(x)
+    dtype = jax.dtypes.canonicalize_dtype(arr.dtype)
+    return jax.ShapeDtypeStruct(arr.shape, dtype, weak_type=weak)
+
+
+class MpmdCompiled:
+    """A step compiled for one argument signature (see `Note: calling a compiled step`).
+
+    Attributes:
+      in_shardings: a pytree like the arguments: per leaf, the `MpmdSharding` of the
+        group that owns it (None for an argument the step does not read).
+      out_shardings: a pytree like the result: per leaf, where it lives.
+      plan: the `StepPlan` (program, executables' specs, input and output layout).
+    """
+
+    def __init__(self, plan: StepPlan, mesh: MpmdMesh, in_tree: jax.tree_util.PyTreeDef):
+        self.plan = plan
+        self.mesh = mesh
+        self._in_tree = in_tree
+        self._shardings: dict[tuple[int, Aval], NamedSharding] = {}
+        n_consts = len(plan.consts)
+        in_sh = []
+        for k in range(n_consts, n_consts + plan.num_args):
+            owner = plan.input_owner[k]
+            spec = PartitionSpec(*plan.input_avals[k].spec)
+            in_sh.append(None if owner is None else MpmdSharding(mesh, (owner,), spec))
+        self.in_shardings = jax.tree.unflatten(in_tree, in_sh)
+        holders = self._output_holders()
+        out_sh = [MpmdSharding(mesh, groups, PartitionSpec(*aval.spec))
+                  for groups, aval in zip(holders, plan.output_avals)]
+        self.out_shardings = jax.tree.unflatten(plan.out_tree, out_sh)
+        self._holders = holders
+        self._executor = self._make_executor()
+        self._fixed = self._fixed_inputs()
+
+    # -- inspection ---------------------------------------------------------------
+
+    def program(self, group: int | None = None) -> Program | GroupProgram:
+        """The whole program, or group `group`'s part; `print` it to read it."""
+        return self.plan.program if group is None else self.plan.program.group(group)
+
+    def _output_holders(self) -> list[tuple[int, ...]]:
+        holders: list[set[int]] = [set() for _ in self.plan.outputs]
+        for g in self.plan.program.groups:
+            for _, k in g.outputs:
+                holders[k].add(g.mpmd_idx)
+        return [tuple(sorted(h)) if h else (0,) for h in holders]
+
+    # -- running ------------------------------------------------------------------
+
+    def sharding(self, group: int, aval: Aval) -> NamedSharding:
+        """The sharding of a value with `aval` on group `group`."""
+        key = (group, aval)
+        sh = self._shardings.get(key)
+        if sh is None:
+            sh = NamedSharding(self._auto_mesh(group), PartitionSpec(*aval.spec))
+            self._shardings[key] = sh
+        return sh
+
+    @functools.cache  # noqa: B019 - one entry per group, for the object's lifetime
+    def _auto_mesh(self, group: int) -> Mesh:
+        """Group `group`'s mesh with every axis `Auto`: stage executables are compiled
+        without sharding-in-types, whatever axis types the user's mesh has."""
+        gm = self.mesh.group_mesh(group)
+        return Mesh(gm.devices, gm.axis_names, axis_types=(AxisType.Auto,) * len(gm.axis_names))
+
+    def _make_executor(self):
+        plan, mesh = self.plan, self.mesh
+        executables = []
+        for g in range(plan.num_groups):
+            mine = {}
+            if g in mesh.local_groups:
+                for name, exe in plan.exes[g].items():
+                    ins, outs = plan.exe_avals[g][name]
+                    mine[name] = compile_exe(exe, ins, outs,
+                                             functools.partial(self.sharding, g))
+            executables.append(mine)
+        if not mesh.is_local:
+            raise NotImplementedError(
+                "MPI mode (one group per rank) needs the MPI executor, which is not "
+                "available yet; use a local-mode mesh (all groups in this process)"
+            )
+        from jaxpp_mpi._src.runtime.local import LocalExecutor
+
+        return LocalExecutor(plan.program, executables, self.sharding)
+
+    def _fixed_inputs(self) -> list[Any]:
+        """Constants and microbatch indexes, placed once on the groups that use them."""
+        plan = self.plan
+        fixed: list[Any] = [None] * len(plan.input_avals)
+        for k, c in enumerate(plan.consts):
+            owner = plan.input_owner[k]
+            if owner is not None:
+                fixed[k] = jax.device_put(c, self.sharding(owner, plan.input_avals[k]))
+        for k, g, m in plan.mb_inputs:
+            fixed[k] = jax.device_put(np.int32(m), self.sharding(g, plan.input_avals[k]))
+        return fixed
+
+    def _arg_for_owner(self, x: Any, k: int) -> Any:
+        owner = self.plan.input_owner[k]
+        if owner is None:
+            return None
+        if isinstance(x, MpmdArray):
+            local = x.local_arrays
+            if owner in local:
+                return local[owner]
+            if not local:
+                raise ValueError(
+                    f"argument leaf {k - len(self.plan.consts)} is an MpmdArray held by "
+                    f"groups {sorted(x.mpmd_idxs)}, but the step needs it on group "
+                    f"{owner}, and this process holds no replica to send"
+                )
+            return next(iter(local.values()))
+        return x
+
+    def __call__(self, *args: Any) -> Any:
+        """Runs one step; returns the result pytree of `MpmdArray`s."""
+        leaves, tree = jax.tree.flatten(args)
+        if tree != self._in_tree:
+            raise ValueError(f"arguments have structure {tree}, compiled for {self._in_tree}")
+        plan = self.plan
+        n_consts = len(plan.consts)
+        inputs = list(self._fixed)
+        for j, x in enumerate(leaves):
+            inputs[n_consts + j] = self._arg_for_owner(x, n_consts + j)
+        replicas = self._executor.run_replicas(inputs)
+        outs = []
+        for k, (desc, aval) in enumerate(zip(plan.outputs, plan.output_avals)):
+            spec = PartitionSpec(*aval.spec)
+            if desc[0] == "lit":
+                sharding = MpmdSharding(self.mesh, (0,), spec)
+                outs.append(mpmd_array_from_local(self.mesh, desc[1], sharding))
+                continue
+            held = replicas[k]
+            groups = tuple(sorted(held))
+            sharding = MpmdSharding(self.mesh, groups, spec)
+            outs.append(MpmdArray([held[g] for g in sharding.local_mesh_ids], sharding,
+                                  shape=aval.shape, dtype=np.dtype(aval.dtype)))
+        return jax.tree.unflatten(plan.out_tree, outs)
+
+
+class MpmdFunction:
+    """A step wrapped by `mpmd_jit_with_loop`; call it, or `.compile(*args)` it."""
+
+    def __init__(self, fun: Callable, mpmd_mesh: MpmdMesh, in_shardings: Any,
+                 out_shardings: Any, donate_argnums: Sequence[int]):
+        if not isinstance(mpmd_mesh, MpmdMesh):
+            raise TypeError(f"mpmd_mesh must be an MpmdMesh, got {type(mpmd_mesh).__name__}")
+        functools.update_wrapper(self, fun)
+        self.fun = fun
+        self.mpmd_mesh = mpmd_mesh
+        self._in_shardings = in_shardings
+        self._out_shardings = out_shardings
+        argnums = (donate_argnums,) if isinstance(donate_argnums, int) else donate_argnums
+        self._donate_argnums = tuple(int(i) for i in argnums)
+        self._cache: dict[Any, MpmdCompiled] = {}
+
+    def _signature(self, args: tuple) -> tuple:
+        leaves, tree = jax.tree.flatten(args)
+        sig = []
+        for x in leaves:
+            a = _abstract(x)
+            spec = tuple(x.spec) if isinstance(x, MpmdArray) else None
+            sig.append((a.shape, np.dtype(a.dtype).name, a.weak_type, spec))
+        return tree, tuple(sig)
+
+    def compile(self, *args: Any) -> MpmdCompiled:
+        """Compiles for the signature of `args` (cached); returns the MpmdCompiled."""
+        key = self._signature(args)
+        compiled = self._cache.get(key)
+        if compiled is not None:
+            return compiled
+        tree, sig = key
+        for i in self._donate_argnums:
+            if not 0 <= i < len(args):
+                raise ValueError(f"donate_argnums has {i}, but the step got {len(args)} "
+                                 "arguments")
+        abstract = jax.tree.unflatten(tree, [_abstract(x) for x in jax.tree.leaves(args)])
+        specs = _per_leaf(self._in_shardings, tree, "in_shardings")
+        in_specs = [
+            _spec_entries(s, "in_shardings") if s is not None else entry[3]
+            for s, entry in zip(specs, sig)
+        ]
+        donate = []
+        for i, a in enumerate(args):
+            donate += [i in self._donate_argnums] * len(jax.tree.leaves(a))
+        out_specs = None
+        if self._out_shardings is not None:
+            out_tree = jax.tree.structure(jax.eval_shape(self.fun, *abstract))
+            out_specs = [_spec_entries(s, "out_shardings")
+                         for s in _per_leaf(self._out_shardings, out_tree, "out_shardings")]
+        name = getattr(self.fun, "__name__", "the step")
+        plan = build_step(self.fun, abstract, self.mpmd_mesh.mpmd_dim, in_specs=in_specs,
+                          out_specs=out_specs, donate=donate, what=f"{name}")
+        compiled = MpmdCompiled(plan, self.mpmd_mesh, tree)
+        self._cache[key] = compiled
+        return compiled
+
+    def __call__(self, *args: Any) -> Any:
+        return self.compile(*args)(*args)
+
+
+def mpmd_jit_with_loop(
+    fun: Callable | None = None,
+    *,
+    mpmd_mesh: MpmdMesh,
+    in_shardings: Any = None,
+    out_shardings: Any = None,
+    donate_argnums: int | Sequence[int] = (),
+) -> MpmdFunction | Callable[[Callable], MpmdFunction]:
+    """Compiles a training step that calls `treduce` once into a pipelined MPMD step.
+
+    Args:
+      fun: the step. It calls `treduce` (or `treduce_i`) once; its loop body marks the
+        end of every stage with `mark_stage_end`.
+      mpmd_mesh: the mesh; its MPMD dimension must be the schedule's `mpmd_dim`.
+      in_shardings: None, or a pytree prefix of the arguments with `PartitionSpec`
+        (or None) leaves: the layout of each argument inside its group.
+      out_shardings: likewise for the results.
+      donate_argnums: arguments whose buffers the step may reuse (e.g. params and
+        optimizer state); do not use them after the call.
+
+    Returns:
+      An `MpmdFunction` (used as a decorator without `fun`, the decorator).
+    """
+    if fun is None:
+        return functools.partial(mpmd_jit_with_loop, mpmd_mesh=mpmd_mesh,
+                                 in_shardings=in_shardings, out_shardings=out_shardings,
+                                 donate_argnums=donate_argnums)
+    return MpmdFunction(fun, mpmd_mesh, in_shardings, out_shardings, donate_argnums)

@@ -1,0 +1,297 @@
+"""Loop pass: the split body and the schedule become each group's loop tasks.
+
+Note: loop tasks.
+  Task (kind, stage) of microbatch m becomes one TaskNode named like the schedule's
+  task (`F3s1`: FWD of stage 1 on microbatch 3) on the stage's group, in the order the
+  schedule lists it (a fused entry's parts back to back). A value `v` of the body is
+  `v@m` for microbatch m; loop invariants and the microbatch index are values of the
+  group (given by the caller).
+
+  Each body output k is reduced on the group of the task that computes it (its *host*:
+  the task producing it; invariants, literals and the index are hosted by the last FWD
+  task). The reduction is fused into the host's executable: the first microbatch the
+  group runs calls the `_first` variant, which makes the state (`Op.state`, or for
+  `Concat` zeros with that microbatch written in), and every later one calls the plain
+  variant, which takes the state, donates it and returns `Op.update(state, v, m)`. So
+  a weight gradient is accumulated where the weight lives, with no extra dispatch and
+  no per-microbatch copy; the state after the last microbatch is the loop output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend import core as jex_core
+
+from jaxpp_mpi._src.compiler.split import BWD, BWD_I, BWD_W, FWD, SplitBody, TaskJaxpr, TaskKey
+from jaxpp_mpi._src.compiler.task_graph import TaskNode, Value
+from jaxpp_mpi._src.errors import CompileError
+from jaxpp_mpi._src.program import Aval
+from jaxpp_mpi._src.schedules import BaseSchedule, TaskType, entry_tasks
+from jaxpp_mpi._src.treduce import Add, Concat, Max, Op
+
+__all__ = ["Exe", "LoopPlacement", "LoopTasks", "aval_of", "build_loop_tasks", "place_loop"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Exe:
+    """One executable of a group: `fn(*arrays) -> tuple of arrays`.
+
+    Attributes:
+      fn: a traceable function of the flat inputs.
+      donate_argnums: inputs whose buffers the executable may reuse.
+    """
+
+    fn: Callable[..., tuple]
+    donate_argnums: tuple[int, ...] = ()
+
+
+def aval_of(aval, spec: tuple = ()) -> Aval:
+    """The program Aval of a JAX aval (its in-group spec given separately)."""
+    return Aval(tuple(aval.shape), np.dtype(aval.dtype).name, tuple(spec))
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopPlacement:
+    """Where the loop's operands and results live (the result of `place_loop`).
+
+    Attributes:
+      stage_group: stage -> group.
+      host: per body output, the task key that reduces it.
+      invariant_groups: per loop operand, the groups whose tasks read it.
+      out_groups: per loop output, the group that holds it.
+    """
+
+    stage_group: tuple[int, ...]
+    host: tuple[TaskKey, ...]
+    invariant_groups: tuple[frozenset[int], ...]
+    out_groups: tuple[int, ...]
+
+
+def place_loop(split: SplitBody, schedule: BaseSchedule, num_invariants: int) -> LoopPlacement:
+    """Places the loop's stages, reductions and operands on groups."""
+    stage_group = tuple(schedule.get_mpmd_idx(s) for s in range(split.num_stages))
+    last_fwd = (FWD, split.num_stages - 1)
+    host = tuple(split.value_task[ref[1]] if ref[0] == "val" else last_fwd
+                 for ref in split.body_outputs)
+    groups: list[set[int]] = [set() for _ in range(num_invariants)]
+    for task in split.tasks:
+        for ref in task.ins:
+            if ref[0] == "inv":
+                groups[ref[1]].add(stage_group[task.key[1]])
+    for ref, key in zip(split.body_outputs, host):
+        if ref[0] == "inv":
+            groups[ref[1]].add(stage_group[key[1]])
+    out_groups = tuple(stage_group[key[1]] for key in host)
+    return LoopPlacement(stage_group, host, tuple(frozenset(g) for g in groups), out_groups)
+
+
+@dataclasses.dataclass
+class LoopTasks:
+    """The loop's share of the task graph (the result of `build_loop_tasks`).
+
+    Attributes:
+      tasks: per group, its loop TaskNodes in schedule order.
+      exes: per group, executable name -> Exe.
+      avals: the aval of every value the tasks define.
+      mb_values: (microbatch, group) -> the value name of that microbatch's index on
+        that group, for each one a task reads (the caller binds them as step inputs).
+    """
+
+    tasks: list[list[TaskNode]]
+    exes: list[dict[str, Exe]]
+    avals: dict[Value, Aval]
+    mb_values: dict[tuple[int, int], Value]
+
+
+def _keys_of(task_type: TaskType, stage: int, partial: bool) -> list[TaskKey]:
+    if task_type is TaskType.FWD:
+        return [(FWD, stage)]
+    if task_type is TaskType.BWD:
+        return [(BWD_I, stage), (BWD_W, stage)] if partial else [(BWD, stage)]
+    if not partial:
+        raise CompileError(
+            f"the schedule lists a split backward task ({task_type.value} of stage "
+            f"{stage}) but says is_partial_bwd=False"
+        )
+    return [(BWD_I if task_type is TaskType.BWD_I else BWD_W, stage)]
+
+
+def _schedule_order(
+    split: SplitBody, schedule: BaseSchedule, n: int, stage_group: Sequence[int]
+) -> list[list[tuple[TaskKey, int]]]:
+    """Per group, the (task key, microbatch) of its non-empty tasks in schedule order."""
+    try:
+        entries = schedule.tasks(n)
+    except ValueError as e:  # ScheduleError is a ValueError
+        raise CompileError(f"the schedule rejects {n} microbatches: {e}") from e
+    present = {t.key for t in split.tasks}
+    partial = schedule.is_partial_bwd
+    seen: set[tuple[TaskKey, int]] = set()
+    order: list[list[tuple[TaskKey, int]]] = []
+    for g, group_entries in enumerate(entries):
+        mine = []
+        for entry in group_entries:
+            for task in entry_tasks(entry):
+                if stage_group[task.stage_id] != g:
+                    raise CompileError(
+                        f"{schedule!r} runs task {task} on group {g}, but get_mpmd_idx puts "
+                        f"stage {task.stage_id} on group {stage_group[task.stage_id]}"
+                    )
+                for key in _keys_of(task.type, task.stage_id, partial):
+                    if key not in present:
+                        continue
+                    if (key, task.microbatch) in seen:
+                        raise CompileError(f"{schedule!r} runs task {task} twice")
+                    seen.add((key, task.microbatch))
+                    mine.append((key, task.microbatch))
+        order.append(mine)
+    missing = [(key, m) for key in sorted(present) for m in range(n) if (key, m) not in seen]
+    if missing:
+        (kind, stage), m = missing[0]
+        raise CompileError(
+            f"{schedule!r} with {n} microbatches never runs {kind} of stage {stage} for "
+            f"microbatch {m} ({len(missing)} task(s) missing)"
+        )
+    return order
+
+
+def _first_state(op: Op, n: int, v, i):
+    if isinstance(op, Concat):
+        aval = op.result_aval(n, jax.core.ShapedArray(jnp.shape(v), jnp.result_type(v)))
+        return op.update(jnp.zeros(aval.shape, aval.dtype), v, i)
+    return op.state(n, v)
+
+
+def _task_fn(task: TaskJaxpr, export: Sequence[int], sources: Sequence[tuple],
+             ops: Sequence[Op], n: int, first: bool, with_index: bool) -> Callable:
+    """The executable of one task variant: see `Note: loop tasks` for the arguments."""
+    n_in = len(task.ins)
+    n_extra = sum(src[0] == "arg" for src in sources)
+    run = jex_core.jaxpr_as_fun(task.jaxpr)
+
+    def fn(*args):
+        outs = run(*args[:n_in])
+        extra = iter(args[n_in:n_in + n_extra])
+        pos = n_in + n_extra
+        index = args[pos] if with_index else None
+        states = args[pos + with_index:]
+        values = []
+        for src in sources:
+            if src[0] == "out":
+                values.append(outs[src[1]])
+            elif src[0] == "arg":
+                values.append(next(extra))
+            else:
+                values.append(jnp.asarray(src[1]))
+        if first:
+            new = [_first_state(op, n, v, index) for op, v in zip(ops, values)]
+        else:
+            new = [op.update(s, v, index) for op, s, v in zip(ops, states, values)]
+        return (*(outs[j] for j in export), *new)
+
+    return fn
+
+
+def build_loop_tasks(
+    split: SplitBody,
+    placement: LoopPlacement,
+    schedule: BaseSchedule,
+    num_microbatches: int,
+    ops: Sequence[Op],
+    out_avals: Sequence,
+    inv_value: Callable[[int, int], Value],
+    out_values: Sequence[Value],
+) -> LoopTasks:
+    """Builds each group's loop tasks (see `Note: loop tasks`).
+
+    Args:
+      split: the split body.
+      placement: from `place_loop`.
+      schedule: the loop's schedule.
+      num_microbatches: n.
+      ops: one Op per body output.
+      out_avals: the JAX aval of each body output (per microbatch).
+      inv_value: (invariant j, group g) -> the value name of loop operand j on g.
+      out_values: per loop output, the value name of its final state.
+
+    Returns:
+      The LoopTasks.
+
+    Raises:
+      CompileError: the schedule rejects `num_microbatches`, or does not run every
+        task of the split body exactly once on the stage's group.
+    """
+    n = num_microbatches
+    num_groups = 1 + max(placement.stage_group)
+    order = _schedule_order(split, schedule, n, placement.stage_group)
+    by_key = {t.key: t for t in split.tasks}
+    read_by_tasks = {ref[1] for t in split.tasks for ref in t.ins if ref[0] == "val"}
+    hosted: dict[TaskKey, list[int]] = {}
+    for k, key in enumerate(placement.host):
+        hosted.setdefault(key, []).append(k)
+    result = LoopTasks([[] for _ in range(num_groups)], [{} for _ in range(num_groups)], {}, {})
+    for name, aval in split.value_avals.items():
+        for m in range(n):
+            result.avals[f"{name}@{m}"] = aval_of(aval)
+    acc_avals = [aval_of(op.result_aval(n, a)) for op, a in zip(ops, out_avals)]
+
+    def mb_value(m: int, g: int) -> Value:
+        return result.mb_values.setdefault((m, g), f"mb{m}g{g}")
+
+    runs: dict[TaskKey, list[int]] = {}  # microbatches of each key in execution order
+    for group_order in order:
+        for key, m in group_order:
+            runs.setdefault(key, []).append(m)
+
+    for g, group_order in enumerate(order):
+        for key, m in group_order:
+            task = by_key[key]
+            kind, stage = key
+            ks = hosted.get(key, [])
+            sources, extra_ins = [], []
+            for k in ks:
+                ref = split.body_outputs[k]
+                if ref[0] == "val":
+                    sources.append(("out", task.outs.index(ref[1])))
+                elif ref[0] == "inv":
+                    sources.append(("arg",))
+                    extra_ins.append(inv_value(ref[1], g))
+                elif ref[0] == "mb":
+                    sources.append(("arg",))
+                    extra_ins.append(mb_value(m, g))
+                else:
+                    sources.append(("lit", ref[1]))
+            k_ops = [ops[k] for k in ks]
+            with_index = any(not isinstance(op, (Add, Max)) for op in k_ops)
+            export = [j for j, name in enumerate(task.outs) if name in read_by_tasks]
+            first = bool(ks) and runs[key][0] == m
+            last = bool(ks) and runs[key][-1] == m
+            exe = f"{kind}{stage}" + ("_first" if first else "")
+            ins = [mb_value(m, g) if ref[0] == "mb" else inv_value(ref[1], g)
+                   if ref[0] == "inv" else f"{ref[1]}@{m}" for ref in task.ins]
+            ins += extra_ins
+            if with_index:
+                ins.append(mb_value(m, g))
+            prev = runs[key][runs[key].index(m) - 1] if ks and not first else None
+            states_in = [] if first or not ks else [f"acc{k}@{prev}" for k in ks]
+            states_out = [out_values[k] if last else f"acc{k}@{m}" for k in ks]
+            for k, v in zip(ks, states_out):
+                result.avals[v] = acc_avals[k]
+            result.tasks[g].append(TaskNode(
+                f"{kind}{m}s{stage}", g, exe, (*ins, *states_in),
+                (*(f"{task.outs[j]}@{m}" for j in export), *states_out),
+                donate=tuple(states_in),
+            ))
+            if exe not in result.exes[g]:
+                fn = _task_fn(task, export, sources, k_ops, n, first or not ks, with_index)
+                donate = tuple(range(len(ins), len(ins) + len(states_in)))
+                result.exes[g][exe] = Exe(fn, donate)
+    for (m, g), v in result.mb_values.items():
+        result.avals[v] = Aval((), "int32")
+    return result

@@ -1,0 +1,150 @@
+"""Outer pass: the eqns around the loop become per-group segments (one executable each).
+
+Note: outer segments.
+  Following the OuterPlan, group g runs:
+  - `pre`: every free eqn placed on g, pre-loop or post-loop (a free eqn reads step
+    inputs only, so it can run before the loop), in step order;
+  - `post<l>` for l = 0, 1, ...: the homed eqns whose home is g at *level* l. An eqn's
+    level is the largest over its operands of the producer's level, plus one when the
+    producer is homed on another group (loop outputs and free values: level 0). Every
+    cross-group edge rises a level, so the segments of all groups form no cycle: a
+    global-norm clip is `post0` on each group (partial sums of squares), `post1` on
+    one group (the total, the scale), `post2` on each (the scaled update).
+  A value is named per group where it is replicated (free eqns) and once where it is
+  homed (see `OuterNames`); a segment exports what another task or the step's result
+  reads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Collection
+
+from jax.extend import core as jex_core
+
+from jaxpp_mpi._src.compiler.jaxpr_util import new_jaxpr
+from jaxpp_mpi._src.compiler.loop_tasks import Exe
+from jaxpp_mpi._src.compiler.placement import OuterPlan
+from jaxpp_mpi._src.compiler.task_graph import Value
+
+__all__ = ["OuterNames", "Segment", "outer_segments", "segment_exe"]
+
+
+def _is_var(x) -> bool:
+    return isinstance(x, jex_core.Var) and not isinstance(x, (jex_core.Literal, jex_core.DropVar))
+
+
+class OuterNames:
+    """Value names of the step's variables.
+
+    A step input k is `in<k>` (one value, on its owner); a variable homed on one group
+    (a loop output or a homed eqn's result) is `x<i>`; a variable of a free eqn is
+    `x<i>g<g>` on each group g that computes it.
+    """
+
+    def __init__(self, jaxpr: jex_core.Jaxpr, loop_index: int, plan: OuterPlan,
+                 loop_out_groups: tuple[int, ...]):
+        self.input_index = {v: k for k, v in enumerate(jaxpr.invars)}
+        self.ids: dict = {}
+        self.home: dict = {}
+        self.free_groups: dict = {}
+        for k, eqn in enumerate(jaxpr.eqns):
+            for v in eqn.outvars:
+                if not _is_var(v):
+                    continue
+                self.ids[v] = len(self.ids)
+                if k == loop_index:
+                    self.home[v] = loop_out_groups[eqn.outvars.index(v)]
+                elif k in plan.homed:
+                    self.home[v] = plan.eqn_groups[k][0]
+                else:
+                    self.free_groups[v] = frozenset(plan.eqn_groups.get(k, ()))
+
+    def value(self, var, group: int) -> Value:
+        """The name of `var` as group `group` reads it."""
+        if var in self.input_index:
+            return f"in{self.input_index[var]}"
+        if var in self.home:
+            return f"x{self.ids[var]}"
+        if group not in self.free_groups[var]:
+            raise AssertionError(f"internal: x{self.ids[var]} is not computed on group {group}")
+        return f"x{self.ids[var]}g{group}"
+
+    def holder(self, var, plan_group: int) -> int:
+        """The group holding step output `var` (the plan's choice unless homed)."""
+        return self.home.get(var, plan_group)
+
+
+@dataclasses.dataclass
+class Segment:
+    """Consecutive outer eqns of one group, run as one executable."""
+
+    group: int
+    exe: str
+    eqns: list
+    in_vars: list
+    ins: list[Value]
+    defined: list
+
+    @property
+    def task_name(self) -> str:
+        return f"{self.exe}g{self.group}"
+
+
+def _segment(group: int, exe: str, eqns: list, names: OuterNames) -> Segment:
+    defined, in_vars, seen = [], [], set()
+    for eqn in eqns:
+        for v in eqn.invars:
+            if _is_var(v) and v not in seen:
+                seen.add(v)
+                in_vars.append(v)
+        for v in eqn.outvars:
+            if _is_var(v):
+                seen.add(v)
+                defined.append(v)
+    return Segment(group, exe, eqns, in_vars, [names.value(v, group) for v in in_vars], defined)
+
+
+def outer_segments(
+    jaxpr: jex_core.Jaxpr, loop_index: int, plan: OuterPlan, names: OuterNames,
+    num_groups: int,
+) -> tuple[list[Segment | None], list[list[Segment]]]:
+    """The `pre` segment (or None) and the `post<l>` segments of every group.
+
+    See `Note: outer segments`.
+    """
+    eqns = jaxpr.eqns
+    pre: list[Segment | None] = []
+    for g in range(num_groups):
+        mine = [e for k, e in enumerate(eqns)
+                if k != loop_index and k not in plan.homed and g in plan.eqn_groups.get(k, ())]
+        pre.append(_segment(g, "pre", mine, names) if mine else None)
+    level: dict[int, int] = {}
+    producer = {v: k for k, e in enumerate(eqns) for v in e.outvars if _is_var(v)}
+    by_level: dict[tuple[int, int], list] = {}
+    for k in sorted(plan.homed):
+        g = plan.eqn_groups[k][0]
+        lvl = 0
+        for v in eqns[k].invars:
+            p = producer.get(v) if _is_var(v) else None
+            if p is not None and p in plan.homed:
+                lvl = max(lvl, level[p] + (plan.eqn_groups[p][0] != g))
+        level[k] = lvl
+        by_level.setdefault((g, lvl), []).append(eqns[k])
+    post: list[list[Segment]] = [[] for _ in range(num_groups)]
+    for (g, lvl) in sorted(by_level, key=lambda x: (x[1], x[0])):
+        post[g].append(_segment(g, f"post{lvl}", by_level[(g, lvl)], names))
+    return pre, post
+
+
+def segment_exe(seg: Segment, names: OuterNames, read: Collection[Value],
+                donate_argnums: tuple[int, ...] = ()) -> tuple[list[Value], Exe]:
+    """The values `seg` exports (those in `read`) and its executable."""
+    export = [v for v in seg.defined if names.value(v, seg.group) in read]
+    jaxpr = new_jaxpr(seg.in_vars, export, seg.eqns, name=f"{seg.task_name} segment")
+    run = jex_core.jaxpr_as_fun(jex_core.ClosedJaxpr(jaxpr, []))
+
+    def fn(*args):
+        return tuple(run(*args))
+
+    return [names.value(v, seg.group) for v in export], Exe(fn, donate_argnums)

@@ -1,0 +1,91 @@
+"""Trace pass: the user's step becomes one flat jaxpr holding exactly one treduce loop."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax.extend import core as jex_core
+
+from jaxpp_mpi._src.compiler.inline import inline_calls
+from jaxpp_mpi._src.compiler.jaxpr_util import new_jaxpr
+from jaxpp_mpi._src.errors import CompileError
+from jaxpp_mpi._src.treduce import find_treduce_eqns, nested_treduce_errors
+
+__all__ = ["TracedStep", "trace_step"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TracedStep:
+    """The step as one jaxpr (the result of `trace_step`).
+
+    Attributes:
+      jaxpr: the step with every call inlined and its constants turned into leading
+        invars: invars = (*constants, *flat arguments).
+      consts: the constant values, one per leading invar.
+      loop_index: the index of the one `treduce_p` eqn in `jaxpr.eqns`.
+      out_tree: the pytree structure of the step's result.
+    """
+
+    jaxpr: jex_core.Jaxpr
+    consts: tuple[Any, ...]
+    loop_index: int
+    out_tree: jax.tree_util.PyTreeDef
+
+    @property
+    def loop(self) -> jex_core.JaxprEqn:
+        return self.jaxpr.eqns[self.loop_index]
+
+
+def trace_step(fun: Callable, args: Sequence[Any], *, what: str = "the step") -> TracedStep:
+    """Traces `fun(*args)` and checks it holds one top-level treduce.
+
+    Args:
+      fun: the user's step.
+      args: the arguments; leaves may be `jax.ShapeDtypeStruct`s.
+      what: the function's name for messages.
+
+    Returns:
+      The TracedStep.
+
+    Raises:
+      CompileError: no treduce, several, or one that cannot be reached (inside lax
+        control flow).
+    """
+    closed, out_shape = jax.make_jaxpr(fun, return_shape=True)(*args)
+    jaxpr = inline_calls(closed.jaxpr)
+    nested = nested_treduce_errors(jaxpr)
+    if nested:
+        raise CompileError(f"{what}: " + "; ".join(nested))
+    loops = find_treduce_eqns(jaxpr)
+    if not loops:
+        raise CompileError(
+            f"{what} calls no treduce: mpmd_jit_with_loop pipelines the microbatch loop "
+            "of a training step, so the function must call jaxpp_mpi.treduce (or "
+            "treduce_i) exactly once, e.g. treduce(partial(jax.value_and_grad(loss), "
+            "params), batch, schedule=Std1F1B(mesh.mpmd_dim))"
+        )
+    if len(loops) > 1:
+        raise CompileError(
+            f"{what} calls treduce {len(loops)} times; mpmd_jit_with_loop pipelines one "
+            "microbatch loop per step: merge the loops into one treduce (return every "
+            "value from one body), or compile each loop as its own step"
+        )
+    index, loop = loops[0]
+    # Literal loop operands (scalars JAX inlined) become constants like any other, so
+    # that every loop operand is a variable the placement can put on groups.
+    consts, constvars, invars = list(closed.consts), list(jaxpr.constvars), []
+    for x in loop.invars:
+        if isinstance(x, jex_core.Literal):
+            v = jex_core.Var(x.aval)
+            consts.append(x.val)
+            constvars.append(v)
+            x = v
+        invars.append(x)
+    eqns = list(jaxpr.eqns)
+    eqns[index] = loop.replace(invars=invars)
+    flat = new_jaxpr([*constvars, *jaxpr.invars], jaxpr.outvars, eqns, name="step")
+    _, out_tree = jax.tree.flatten(out_shape)
+    return TracedStep(flat, tuple(consts), index, out_tree)
