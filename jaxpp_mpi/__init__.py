@@ -11,6 +11,15 @@ from typing import TYPE_CHECKING
 
 # public name -> private module under jaxpp_mpi._src
 _EXPORTS = {
+    "MpmdCompiled": "api",
+    "MpmdFunction": "api",
+    "mpmd_jit_with_loop": "api",
+    "MpmdArray": "array",
+    "MpmdSharding": "array",
+    "CompileError": "errors",
+    "MpmdMesh": "mesh",
+    "make_mpmd_mesh": "mesh",
+    "collect_task_times_ms": "timing",
     "mark_stage_end": "primitives",
     "pipeline_enter_stage": "primitives",
     "ScheduleError": "schedule_check",
@@ -48,6 +57,15 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # what static tools see; the same names as _EXPORTS
+    from jaxpp_mpi._src.api import MpmdCompiled as MpmdCompiled
+    from jaxpp_mpi._src.api import MpmdFunction as MpmdFunction
+    from jaxpp_mpi._src.api import mpmd_jit_with_loop as mpmd_jit_with_loop
+    from jaxpp_mpi._src.array import MpmdArray as MpmdArray
+    from jaxpp_mpi._src.array import MpmdSharding as MpmdSharding
+    from jaxpp_mpi._src.errors import CompileError as CompileError
+    from jaxpp_mpi._src.mesh import MpmdMesh as MpmdMesh
+    from jaxpp_mpi._src.mesh import make_mpmd_mesh as make_mpmd_mesh
+    from jaxpp_mpi._src.timing import collect_task_times_ms as collect_task_times_ms
     from jaxpp_mpi._src.primitives import mark_stage_end as mark_stage_end
     from jaxpp_mpi._src.primitives import pipeline_enter_stage as pipeline_enter_stage
     from jaxpp_mpi._src.schedule_check import ScheduleError as ScheduleError

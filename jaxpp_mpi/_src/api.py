@@ -145,49 +145,70 @@ class MpmdCompiled:
                     mine[name] = compile_exe(exe, ins, outs,
                                              functools.partial(self.sharding, g))
             executables.append(mine)
-        if not mesh.is_local:
-            raise NotImplementedError(
-                "MPI mode (one group per rank) needs the MPI executor, which is not "
-                "available yet; use a local-mode mesh (all groups in this process)"
-            )
-        from jaxpp_mpi._src.runtime.local import LocalExecutor
+        if mesh.is_local:
+            from jaxpp_mpi._src.runtime.local import LocalExecutor
 
-        return LocalExecutor(plan.program, executables, self.sharding)
+            return LocalExecutor(plan.program, executables, self.sharding)
+        from jaxpp_mpi._src.runtime.mpi import MpiExecutor, agree_on_program
+
+        g = mesh.my_mpmd_axis_index
+        executor = MpiExecutor(plan.program, g, executables[g],
+                               functools.partial(self.sharding, g), mesh.comm)
+        # Everything is compiled: one allgather of the program hash is the barrier
+        # before this rank's first message (DESIGN.md §7).
+        agree_on_program(plan.program, mesh.comm)
+        return executor
 
     def _fixed_inputs(self) -> list[Any]:
         """Constants and microbatch indexes, placed once on the groups that use them."""
         plan = self.plan
         fixed: list[Any] = [None] * len(plan.input_avals)
+        local = self.mesh.local_groups
         for k, c in enumerate(plan.consts):
             owner = plan.input_owner[k]
-            if owner is not None:
+            if owner in local:
                 fixed[k] = jax.device_put(c, self.sharding(owner, plan.input_avals[k]))
         for k, g, m in plan.mb_inputs:
-            fixed[k] = jax.device_put(np.int32(m), self.sharding(g, plan.input_avals[k]))
+            if g in local:
+                fixed[k] = jax.device_put(np.int32(m), self.sharding(g, plan.input_avals[k]))
         return fixed
 
     def _arg_for_owner(self, x: Any, k: int) -> Any:
         owner = self.plan.input_owner[k]
-        if owner is None:
+        if owner is None or owner not in self.mesh.local_groups:
             return None
         if isinstance(x, MpmdArray):
             local = x.local_arrays
             if owner in local:
                 return local[owner]
-            if not local:
-                raise ValueError(
-                    f"argument leaf {k - len(self.plan.consts)} is an MpmdArray held by "
-                    f"groups {sorted(x.mpmd_idxs)}, but the step needs it on group "
-                    f"{owner}, and this process holds no replica to send"
-                )
-            return next(iter(local.values()))
+            return next(iter(local.values()))  # local mode: another group's replica
         return x
+
+    def _check_args(self, leaves: list) -> None:
+        """Raises, on every rank alike, for an MpmdArray held away from its owner group.
+
+        In local mode the executor copies such an array; in MPI mode only its holders
+        have the data, so the step cannot start.
+        """
+        if self.mesh.is_local:
+            return
+        n_consts = len(self.plan.consts)
+        for j, x in enumerate(leaves):
+            owner = self.plan.input_owner[n_consts + j]
+            if isinstance(x, MpmdArray) and owner is not None and owner not in x.mpmd_idxs:
+                raise ValueError(
+                    f"argument leaf {j} is an MpmdArray held by groups {sorted(x.mpmd_idxs)}, "
+                    f"but this step reads it on group {owner}: pass the array this step's "
+                    f"in_shardings place there (compiled.in_shardings), or a plain array "
+                    "present on every rank"
+                )
 
     def __call__(self, *args: Any) -> Any:
         """Runs one step; returns the result pytree of `MpmdArray`s."""
         leaves, tree = jax.tree.flatten(args)
         if tree != self._in_tree:
             raise ValueError(f"arguments have structure {tree}, compiled for {self._in_tree}")
+        self._check_args(leaves)
         plan = self.plan
         n_consts = len(plan.consts)
         inputs = list(self._fixed)
@@ -202,8 +223,7 @@ class MpmdCompiled:
                 outs.append(mpmd_array_from_local(self.mesh, desc[1], sharding))
                 continue
             held = replicas[k]
-            groups = tuple(sorted(held))
-            sharding = MpmdSharding(self.mesh, groups, spec)
+            sharding = MpmdSharding(self.mesh, self._holders[k], spec)
             outs.append(MpmdArray([held[g] for g in sharding.local_mesh_ids], sharding,
                                   shape=aval.shape, dtype=np.dtype(aval.dtype)))
         return jax.tree.unflatten(plan.out_tree, outs)
