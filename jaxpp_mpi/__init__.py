@@ -65,7 +65,6 @@ if TYPE_CHECKING:  # what static tools see; the same names as _EXPORTS
     from jaxpp_mpi._src.errors import CompileError as CompileError
     from jaxpp_mpi._src.mesh import MpmdMesh as MpmdMesh
     from jaxpp_mpi._src.mesh import make_mpmd_mesh as make_mpmd_mesh
-    from jaxpp_mpi._src.timing import collect_task_times_ms as collect_task_times_ms
     from jaxpp_mpi._src.primitives import mark_stage_end as mark_stage_end
     from jaxpp_mpi._src.primitives import pipeline_enter_stage as pipeline_enter_stage
     from jaxpp_mpi._src.schedule_check import ScheduleError as ScheduleError
@@ -78,6 +77,7 @@ if TYPE_CHECKING:  # what static tools see; the same names as _EXPORTS
     from jaxpp_mpi._src.schedules import KimiK2 as KimiK2
     from jaxpp_mpi._src.schedules import Std1F1B as Std1F1B
     from jaxpp_mpi._src.schedules import ZeroBubble as ZeroBubble
+    from jaxpp_mpi._src.timing import collect_task_times_ms as collect_task_times_ms
     from jaxpp_mpi._src.treduce import Add as Add
     from jaxpp_mpi._src.treduce import Concat as Concat
     from jaxpp_mpi._src.treduce import Max as Max

@@ -23,6 +23,16 @@ if "--with-mpi" not in sys.argv and _FLAG not in os.environ.get("XLA_FLAGS", "")
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" {_FLAG}=8").strip()
 
 
+# Compiled XLA executables are cached on disk for the test session (keyed by the HLO's
+# fingerprint, so a hit is the same program): the parity tests compile the same stage
+# tasks under many schedules, and the MPI runs reuse what the local runs compiled.
+_CACHE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                      ".cache", "jax-tests")
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _CACHE)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
+
 def _mpi_world():
     from mpi4py import MPI
 

@@ -189,7 +189,7 @@ def build_step(
     for k, v in enumerate(jaxpr.outvars):
         if isinstance(v, jex_core.Var) and not isinstance(v, jex_core.Literal):
             out_spec_of.setdefault(v, out_specs[k] or ())
-    for v, i in names.ids.items():
+    for v in names.ids:
         groups = [names.home[v]] if v in names.home else sorted(names.free_groups[v])
         for g in groups:
             avals[names.value(v, g)] = aval_of(v.aval, out_spec_of.get(v, ()))

@@ -25,7 +25,6 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jax.extend import core as jex_core
 
 from jaxpp_mpi._src.compiler.split import BWD, BWD_I, BWD_W, FWD, SplitBody, TaskJaxpr, TaskKey
@@ -292,6 +291,6 @@ def build_loop_tasks(
                 fn = _task_fn(task, export, sources, k_ops, n, first or not ks, with_index)
                 donate = tuple(range(len(ins), len(ins) + len(states_in)))
                 result.exes[g][exe] = Exe(fn, donate)
-    for (m, g), v in result.mb_values.items():
+    for v in result.mb_values.values():
         result.avals[v] = Aval((), "int32")
     return result

@@ -1,11 +1,12 @@
 """The MPI executor: this rank runs its own group's program; messages go through mpi4jax.
 
 Note: messages.
-  A Send, Recv or SendRecv becomes calls of small single-device jitted functions,
-  compiled before the first step, around `transport.send` / `recv` / `sendrecv` (mpi4jax ops carry ordered
-  effects, which JAX allows only on one device). A value of a multi-device group moves
-  *shard by shard*: its distinct shards (one per distinct index of its sharding, taken
-  from the first device holding it, in mesh order) travel as separate messages, shard j
+  A Send, Recv or SendRecv becomes calls of small single-device jitted functions
+  around `transport.send` / `recv` / `sendrecv`, compiled before the first step
+  (mpi4jax ops carry ordered effects, which JAX allows only on one device). A value
+  of a multi-device group moves *shard by shard*: its distinct shards (one per
+  distinct index of its sharding, taken from the first device holding it, in mesh
+  order) travel as separate messages, shard j
   of message tag t with wire tag `t * group_size + j`, so shards of one value (sent
   from different devices, whose effects are not ordered between each other) and
   messages of one channel never mix. The receiver gets each distinct shard on the first

@@ -1,0 +1,157 @@
+"""Small models and training steps shared by the local and MPI parity tests.
+
+Each builder returns `(params, batch, loss_fn)` for `num_stages` pipeline stages, with
+`mark_stage_end` at the end of every stage; `make_step` wraps a loss into the training
+step of the user-facing example (value_and_grad in a treduce, then optax adam).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import jaxpp_mpi
+
+SCHEDULES = ("gpipe", "1f1b", "eager1f1b", "interleaved", "zerobubble", "dualpipev", "kimik2")
+
+
+def schedule(name: str, groups: int):
+    """The named schedule for `groups` MPMD groups (two stages per group for the
+    interleaved kinds)."""
+    return {
+        "gpipe": lambda: jaxpp_mpi.GPipe(groups),
+        "1f1b": lambda: jaxpp_mpi.Std1F1B(groups),
+        "eager1f1b": lambda: jaxpp_mpi.Eager1F1B(groups),
+        "interleaved": lambda: jaxpp_mpi.Interleaved1F1B(2 * groups, groups),
+        "zerobubble": lambda: jaxpp_mpi.ZeroBubble(groups),
+        "dualpipev": lambda: jaxpp_mpi.DualPipeV(2 * groups, groups),
+        "kimik2": lambda: jaxpp_mpi.KimiK2(2 * groups, groups),
+    }[name]()
+
+
+def _keys(seed: int, n: int):
+    return jax.random.split(jax.random.PRNGKey(seed), n)
+
+
+def mlp(num_stages: int, num_microbatches: int, width: int = 16, rows: int = 4):
+    """A tanh MLP, one layer per stage, squared-error loss; aux = max activation."""
+    ks = _keys(0, num_stages + 2)
+    params = [(jax.random.normal(ks[i], (width, width)) * 0.4, jnp.full((width,), 0.01 * i))
+              for i in range(num_stages)]
+    batch = (jax.random.normal(ks[-2], (num_microbatches, rows, width)),
+             jax.random.normal(ks[-1], (num_microbatches, rows, width)))
+
+    def loss_fn(params, mb):
+        x, y = mb
+        for w, b in params:
+            x = jaxpp_mpi.mark_stage_end(jnp.tanh(x @ w + b))
+        return jnp.mean((x - y) ** 2), {"max": jnp.max(x)}
+
+    return params, batch, loss_fn
+
+
+def _layernorm(x, g):
+    mu = x.mean(-1, keepdims=True)
+    var = ((x - mu) ** 2).mean(-1, keepdims=True)
+    return (x - mu) * jax.lax.rsqrt(var + 1e-5) * g
+
+
+def _block(p, h, heads: int):
+    seq, d = h.shape[-2:]
+    x = _layernorm(h, p["ln1"])
+    q, k, v = jnp.split(x @ p["qkv"], 3, axis=-1)
+    split = lambda t: t.reshape(*t.shape[:-1], heads, d // heads).swapaxes(-2, -3)
+    q, k, v = split(q), split(k), split(v)
+    scores = q @ k.swapaxes(-1, -2) / np.sqrt(d // heads)
+    mask = jnp.tril(jnp.ones((seq, seq), bool))
+    att = jax.nn.softmax(jnp.where(mask, scores, -1e9), axis=-1) @ v
+    h = h + att.swapaxes(-2, -3).reshape(h.shape) @ p["proj"]
+    return h + jax.nn.gelu(_layernorm(h, p["ln2"]) @ p["up"]) @ p["down"]
+
+
+def transformer(num_stages: int, num_microbatches: int, *, vocab: int = 32, d: int = 16,
+                seq: int = 8, rows: int = 2, heads: int = 2, tied: bool = False):
+    """A decoder-only LM: embedding on stage 0, one block per stage, head + loss last.
+
+    With `tied`, the output projection is the embedding's transpose, so the first and
+    the last stage share a weight.
+    """
+    ks = iter(_keys(1, 8 * num_stages + 8))
+    init = lambda shape, s=0.2: jax.random.normal(next(ks), shape) * s
+    params = {
+        "embed": init((vocab, d), 0.5),
+        "pos": init((seq, d), 0.1),
+        "blocks": [{"ln1": jnp.ones(d), "qkv": init((d, 3 * d)), "proj": init((d, d)),
+                    "ln2": jnp.ones(d), "up": init((d, 2 * d)), "down": init((2 * d, d))}
+                   for _ in range(num_stages)],
+        "ln_f": jnp.ones(d),
+    }
+    if not tied:
+        params["head"] = init((d, vocab))
+    tokens = jax.random.randint(next(ks), (num_microbatches, rows, seq + 1), 0, vocab)
+    batch = {"inputs": tokens[..., :-1], "targets": tokens[..., 1:]}
+
+    def loss_fn(params, mb):
+        h = params["embed"][mb["inputs"]] + params["pos"]
+        for p in params["blocks"]:
+            h = jaxpp_mpi.mark_stage_end(_block(p, h, heads))
+        head = params["embed"].T if tied else params["head"]
+        logits = _layernorm(h, params["ln_f"]) @ head
+        logp = jax.nn.log_softmax(logits)
+        nll = -jnp.take_along_axis(logp, mb["targets"][..., None], axis=-1).mean()
+        return nll, {"acc": (logits.argmax(-1) == mb["targets"]).mean()}
+
+    return params, batch, loss_fn
+
+
+def make_step(loss_fn, sched, optimizer=None):
+    """The training step of the user-facing example, for `jax.jit` or mpmd_jit."""
+    optimizer = optimizer or optax.adam(1e-2)
+
+    def train_step(opt_state, params, batch):
+        grad_fn = partial(jax.value_and_grad(loss_fn, has_aux=True), params)
+        (losses, aux), grads = jaxpp_mpi.treduce(grad_fn, batch, schedule=sched)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return opt_state, optax.apply_updates(params, updates), losses, aux
+
+    return train_step, optimizer
+
+
+def run_steps(step, opt_state, params, batch, steps: int = 3):
+    """`steps` training steps feeding each step's state into the next; all outputs."""
+    outs = None
+    for _ in range(steps):
+        outs = step(opt_state, params, batch)
+        opt_state, params = outs[0], outs[1]
+    return outs
+
+
+def held_values(tree) -> list:
+    """Numpy values of the leaves this process holds (None for leaves held elsewhere)."""
+    out = []
+    for x in jax.tree.leaves(tree):
+        if isinstance(x, jaxpp_mpi.MpmdArray):
+            out.append(np.asarray(x.first_mpmd_replica) if x.is_partially_addressable
+                       else None)
+        else:
+            out.append(np.asarray(x))
+    return out
+
+
+def assert_close_to_reference(reference, pipelined, rtol=1e-5, atol=1e-6) -> int:
+    """Asserts every held leaf of `pipelined` matches `reference`; returns how many
+    leaves were compared."""
+    ref = held_values(reference)
+    got = held_values(pipelined)
+    assert len(ref) == len(got)
+    compared = 0
+    for i, (a, b) in enumerate(zip(ref, got)):
+        if b is None:
+            continue
+        np.testing.assert_allclose(b, a, rtol=rtol, atol=atol, err_msg=f"leaf {i}")
+        compared += 1
+    return compared
