@@ -29,7 +29,7 @@ test-mpi: $(PY)
 	$(call MPI_PYTEST,4)
 
 example: $(PY)
-	$(PY) -m jaxpp_mpi.schedules Std1F1B --stages 4 --mubatches 8
+	$(JPPRUN) -n 4 python examples/train.py --schedule 1f1b --steps 10
 
 bench: $(PY)
 	$(JPPRUN) -n 2 python bench/p2p.py --out bench/results/p2p.json
