@@ -88,6 +88,7 @@ class MpmdCompiled:
         self.mesh = mesh
         self._in_tree = in_tree
         self._shardings: dict[tuple[int, Aval], NamedSharding] = {}
+        self._auto_meshes: dict[int, Mesh] = {}
         n_consts = len(plan.consts)
         in_sh = []
         for k in range(n_consts, n_consts + plan.num_args):
@@ -127,12 +128,16 @@ class MpmdCompiled:
             self._shardings[key] = sh
         return sh
 
-    @functools.cache  # noqa: B019 - one entry per group, for the object's lifetime
     def _auto_mesh(self, group: int) -> Mesh:
         """Group `group`'s mesh with every axis `Auto`: stage executables are compiled
         without sharding-in-types, whatever axis types the user's mesh has."""
-        gm = self.mesh.group_mesh(group)
-        return Mesh(gm.devices, gm.axis_names, axis_types=(AxisType.Auto,) * len(gm.axis_names))
+        mesh = self._auto_meshes.get(group)
+        if mesh is None:
+            gm = self.mesh.group_mesh(group)
+            mesh = Mesh(gm.devices, gm.axis_names,
+                        axis_types=(AxisType.Auto,) * len(gm.axis_names))
+            self._auto_meshes[group] = mesh
+        return mesh
 
     def _make_executor(self):
         plan, mesh = self.plan, self.mesh
@@ -250,8 +255,13 @@ class MpmdFunction:
         sig = []
         for x in leaves:
             a = _abstract(x)
-            spec = tuple(x.spec) if isinstance(x, MpmdArray) else None
-            sig.append((a.shape, np.dtype(a.dtype).name, a.weak_type, spec))
+            # An MpmdArray's layout is part of the signature; a replicated one and a
+            # plain array (placed replicated) compile alike, so a loop that feeds its
+            # outputs back hits the cache.
+            spec = list(x.spec) if isinstance(x, MpmdArray) else []
+            while spec and spec[-1] is None:
+                spec.pop()
+            sig.append((a.shape, np.dtype(a.dtype).name, a.weak_type, tuple(spec)))
         return tree, tuple(sig)
 
     def compile(self, *args: Any) -> MpmdCompiled:

@@ -10,7 +10,9 @@ rtol 1e-5), never with the library's own output. The program tests read the comp
 from __future__ import annotations
 
 import functools
+import gc
 import re
+import weakref
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -583,3 +585,28 @@ def test_params_live_on_their_stage_group(schedule):
     assert ins[2][0].mesh_ids == (groups[0],)
     assert ins[2][1].mesh_ids == (groups[-1],)
     assert_tree_close(jax.jit(step)(opt_state, params, batch), out)
+
+
+# --------------------------------------------------------------- compile cache and lifetime
+
+
+def test_feeding_outputs_back_reuses_the_compiled_step():
+    """A training loop passes the step's MpmdArray results back in: the second call has
+    the same signature as the first (plain arrays) and compiles nothing new."""
+    step = pipelined(sgd_step(jp.Std1F1B(2)))
+    params, batch = mlp_params(2), make_batch()
+    first = step.compile(params, batch)
+    new_params, _, _ = step(params, batch)
+    assert all(isinstance(p, jp.MpmdArray) for p in new_params)
+    assert step.compile(new_params, batch) is first
+
+
+def test_a_dropped_compiled_step_is_freed():
+    """Nothing global keeps a compiled step (and its loaded executables) alive."""
+    step = pipelined(sgd_step(jp.Std1F1B(2)))
+    compiled = step.compile(mlp_params(2), make_batch())
+    compiled(mlp_params(2), make_batch())
+    ref = weakref.ref(compiled)
+    del compiled, step
+    gc.collect()
+    assert ref() is None
