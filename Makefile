@@ -10,7 +10,8 @@ JPPRUN      := launch/jpprun
 MPI_TIMEOUT ?= 900
 PYTEST_ARGS ?=
 # Each MPI test run: pytest-mpi on every rank, a per-test timeout, a hard outer timeout;
-# a failure on any rank aborts the whole job (tests/conftest.py, "MPI harness").
+# a failure on any rank aborts the whole job (tests/conftest.py, "MPI harness"). The last
+# run gives every rank a group mesh of 2 devices (values move shard by shard).
 MPI_PYTEST   = timeout -k 10 $(MPI_TIMEOUT) $(JPPRUN) -n $(1) python -m pytest tests/mpi \
                --with-mpi -p no:cacheprovider --timeout=300 --color=no -q $(PYTEST_ARGS)
 
@@ -27,12 +28,15 @@ test-unit: $(PY)
 test-mpi: $(PY)
 	$(call MPI_PYTEST,2)
 	$(call MPI_PYTEST,4)
+	XLA_FLAGS=--xla_force_host_platform_device_count=2 $(call MPI_PYTEST,2) \
+	  -k "shard or mismatch or (parity and (1f1b or interleaved))"
 
 example: $(PY)
 	$(JPPRUN) -n 4 python examples/train.py --schedule 1f1b --steps 10
 
 bench: $(PY)
 	$(JPPRUN) -n 2 python bench/p2p.py --out bench/results/p2p.json
+	$(JPPRUN) -n 2 python bench/pipeline.py --schedule 1f1b --out bench/results/pipeline_1f1b.json
 
 lint: $(PY)
 	$(PY) -m ruff check jaxpp_mpi tests bench examples
