@@ -136,3 +136,20 @@ def test_values_move_shard_by_shard(mesh, spec):
         np.testing.assert_array_equal(np.asarray(got), value)
         assert got.sharding.is_equivalent_to(sharding(Aval(shape, "float32", spec)), 2)
     _everywhere(True)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_task_times_are_collected_per_rank(mesh):
+    """collect_task_times_ms on each rank times exactly this rank's stage tasks."""
+    sched = schedule("1f1b", SIZE)
+    params, batch, loss_fn = mlp(sched.num_stages, 2 * SIZE)
+    step, opt = make_step(loss_fn, sched)
+    pipelined = jaxpp_mpi.mpmd_jit_with_loop(step, mpmd_mesh=mesh)
+    opt_state = opt.init(params)
+    pipelined(opt_state, params, batch)  # compile and warm up outside the block
+    with jaxpp_mpi.collect_task_times_ms() as times:
+        pipelined(opt_state, params, batch)
+    stage_tasks = {label for label in times if label[0] in "FB"}
+    want = {f"{k}{m}s{RANK}" for k in "FB" for m in range(2 * SIZE)}
+    ok = stage_tasks == want and all(t > 0 for ts in times.values() for t in ts)
+    _everywhere(ok, f"rank {RANK}: {sorted(times)}")
