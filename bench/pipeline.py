@@ -25,12 +25,12 @@ import sys
 import time
 from functools import partial
 
-SCHEDULES = ("gpipe", "1f1b", "eager1f1b", "interleaved", "zerobubble", "dualpipev", "kimik2")
+from jaxpp_mpi.schedules import SCHEDULE_NAMES, schedule_by_name  # no JAX import
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
+    p.add_argument("--schedule", choices=SCHEDULE_NAMES, default="1f1b")
     p.add_argument("--mubatches", type=int, default=8)
     p.add_argument("--width", type=int, default=512)
     p.add_argument("--rows", type=int, default=256)
@@ -71,26 +71,12 @@ def build(args, stages: int, sched):
     return step, opt.init(params), params, batch
 
 
-def schedule_of(name: str, groups: int):
-    import jaxpp_mpi
-
-    return {
-        "gpipe": lambda: jaxpp_mpi.GPipe(groups),
-        "1f1b": lambda: jaxpp_mpi.Std1F1B(groups),
-        "eager1f1b": lambda: jaxpp_mpi.Eager1F1B(groups),
-        "interleaved": lambda: jaxpp_mpi.Interleaved1F1B(2 * groups, groups),
-        "zerobubble": lambda: jaxpp_mpi.ZeroBubble(groups),
-        "dualpipev": lambda: jaxpp_mpi.DualPipeV(2 * groups, groups),
-        "kimik2": lambda: jaxpp_mpi.KimiK2(2 * groups, groups),
-    }[name]()
-
-
 def reference(args) -> None:
     """Child process: the jax.jit step time, printed as one JSON line."""
     import jax
     import numpy as np
 
-    sched = schedule_of(args.schedule, args.stages)
+    sched = schedule_by_name(args.schedule, args.stages)
     step, opt_state, params, batch = build(args, sched.num_stages, sched)
     jitted = jax.jit(step)
     state = (opt_state, params)
@@ -139,7 +125,7 @@ def main() -> None:
     groups = world.size
     mesh = jaxpp_mpi.make_mpmd_mesh((groups, 1), ("stage", "data"), "stage")
     comm = mesh.comm
-    sched = schedule_of(args.schedule, groups)
+    sched = schedule_by_name(args.schedule, groups)
     step, opt_state, params, batch = build(args, sched.num_stages, sched)
     compiled = jaxpp_mpi.mpmd_jit_with_loop(step, mpmd_mesh=mesh).compile(
         opt_state, params, batch)

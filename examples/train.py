@@ -17,12 +17,12 @@ import sys
 import time
 from functools import partial
 
-SCHEDULES = ("gpipe", "1f1b", "eager1f1b", "interleaved", "zerobubble", "dualpipev", "kimik2")
+from jaxpp_mpi.schedules import SCHEDULE_NAMES, schedule_by_name  # no JAX import
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
+    p.add_argument("--schedule", choices=SCHEDULE_NAMES, default="1f1b")
     p.add_argument("--mubatches", type=int, default=8, help="microbatches per step")
     p.add_argument("--mubatch-size", type=int, default=4, help="sequences per microbatch")
     p.add_argument("--steps", type=int, default=10)
@@ -79,15 +79,7 @@ def main(argv=None) -> int:
         mesh = jaxpp_mpi.make_mpmd_mesh((world, args.data_axis, args.model_axis),
                                         ("stage", "data", "model"), "stage")
     rank = mesh.my_mpmd_axis_index or 0
-    sched = {
-        "gpipe": lambda: jaxpp_mpi.GPipe(groups),
-        "1f1b": lambda: jaxpp_mpi.Std1F1B(groups),
-        "eager1f1b": lambda: jaxpp_mpi.Eager1F1B(groups),
-        "interleaved": lambda: jaxpp_mpi.Interleaved1F1B(2 * groups, groups),
-        "zerobubble": lambda: jaxpp_mpi.ZeroBubble(groups),
-        "dualpipev": lambda: jaxpp_mpi.DualPipeV(2 * groups, groups),
-        "kimik2": lambda: jaxpp_mpi.KimiK2(2 * groups, groups),
-    }[args.schedule]()
+    sched = schedule_by_name(args.schedule, groups)
     stages = sched.num_stages
     layers = args.layers or stages
     if layers % stages:

@@ -15,22 +15,14 @@ import numpy as np
 import optax
 
 import jaxpp_mpi
+from jaxpp_mpi.schedules import SCHEDULE_NAMES, schedule_by_name
 
-SCHEDULES = ("gpipe", "1f1b", "eager1f1b", "interleaved", "zerobubble", "dualpipev", "kimik2")
+SCHEDULES = SCHEDULE_NAMES
 
 
 def schedule(name: str, groups: int):
-    """The named schedule for `groups` MPMD groups (two stages per group for the
-    interleaved kinds)."""
-    return {
-        "gpipe": lambda: jaxpp_mpi.GPipe(groups),
-        "1f1b": lambda: jaxpp_mpi.Std1F1B(groups),
-        "eager1f1b": lambda: jaxpp_mpi.Eager1F1B(groups),
-        "interleaved": lambda: jaxpp_mpi.Interleaved1F1B(2 * groups, groups),
-        "zerobubble": lambda: jaxpp_mpi.ZeroBubble(groups),
-        "dualpipev": lambda: jaxpp_mpi.DualPipeV(2 * groups, groups),
-        "kimik2": lambda: jaxpp_mpi.KimiK2(2 * groups, groups),
-    }[name]()
+    """The named schedule for `groups` MPMD groups (see `schedule_by_name`)."""
+    return schedule_by_name(name, groups)
 
 
 def _keys(seed: int, n: int):

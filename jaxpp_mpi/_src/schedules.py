@@ -15,6 +15,7 @@ __all__ = [
     "GPipe",
     "Interleaved1F1B",
     "KimiK2",
+    "SCHEDULE_NAMES",
     "ScheduleEntry",
     "ScheduleTasks",
     "Std1F1B",
@@ -22,6 +23,7 @@ __all__ = [
     "TaskType",
     "ZeroBubble",
     "entry_tasks",
+    "schedule_by_name",
 ]
 
 
@@ -410,3 +412,31 @@ class DualPipeV(_ManyStagesPerGroup):
 
 def _single(tasks: Sequence[Task]) -> ScheduleEntry:
     return tasks[0] if len(tasks) == 1 else tuple(tasks)
+
+
+# Short names, as command-line flags spell them (examples/train.py, bench/pipeline.py).
+SCHEDULE_NAMES = ("gpipe", "1f1b", "eager1f1b", "interleaved", "zerobubble", "dualpipev",
+                  "kimik2")
+
+
+def schedule_by_name(name: str, mpmd_dim: int) -> BaseSchedule:
+    """The schedule called `name` (one of `SCHEDULE_NAMES`) for `mpmd_dim` groups.
+
+    One stage per group for gpipe, 1f1b, eager1f1b and zerobubble; two per group for
+    interleaved, dualpipev and kimik2.
+
+    Raises:
+      ValueError: for an unknown name.
+    """
+    makers = {
+        "gpipe": lambda: GPipe(mpmd_dim),
+        "1f1b": lambda: Std1F1B(mpmd_dim),
+        "eager1f1b": lambda: Eager1F1B(mpmd_dim),
+        "interleaved": lambda: Interleaved1F1B(2 * mpmd_dim, mpmd_dim),
+        "zerobubble": lambda: ZeroBubble(mpmd_dim),
+        "dualpipev": lambda: DualPipeV(2 * mpmd_dim, mpmd_dim),
+        "kimik2": lambda: KimiK2(2 * mpmd_dim, mpmd_dim),
+    }
+    if name not in makers:
+        raise ValueError(f"unknown schedule {name!r}; the names are {', '.join(SCHEDULE_NAMES)}")
+    return makers[name]()

@@ -241,3 +241,15 @@ def test_import_is_pure_python():
         "sys.exit(1 if bad else 0)"
     )
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_schedule_by_name_covers_every_short_name():
+    from jaxpp_mpi.schedules import SCHEDULE_NAMES, schedule_by_name
+
+    made = {name: schedule_by_name(name, 4) for name in SCHEDULE_NAMES}
+    assert all(s.mpmd_dim == 4 for s in made.values())
+    assert made["1f1b"] == Std1F1B(4)
+    assert made["dualpipev"] == DualPipeV(8, 4)
+    assert made["interleaved"] == Interleaved1F1B(8, 4)
+    with pytest.raises(ValueError, match="unknown schedule 'pipedream'.*gpipe, 1f1b"):
+        schedule_by_name("pipedream", 4)
