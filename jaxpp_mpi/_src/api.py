@@ -100,7 +100,8 @@ class MpmdCompiled:
         out_sh = [MpmdSharding(mesh, groups, PartitionSpec(*aval.spec))
                   for groups, aval in zip(holders, plan.output_avals)]
         self.out_shardings = jax.tree.unflatten(plan.out_tree, out_sh)
-        self._holders = holders
+        self._out_sh = out_sh
+        self._local_holders = [sh.local_mesh_ids for sh in out_sh]
         self._executor = self._make_executor()
         self._fixed = self._fixed_inputs()
 
@@ -222,14 +223,12 @@ class MpmdCompiled:
         replicas = self._executor.run_replicas(inputs)
         outs = []
         for k, (desc, aval) in enumerate(zip(plan.outputs, plan.output_avals)):
-            spec = PartitionSpec(*aval.spec)
+            sharding = self._out_sh[k]
             if desc[0] == "lit":
-                sharding = MpmdSharding(self.mesh, (0,), spec)
                 outs.append(mpmd_array_from_local(self.mesh, desc[1], sharding))
                 continue
             held = replicas[k]
-            sharding = MpmdSharding(self.mesh, self._holders[k], spec)
-            outs.append(MpmdArray([held[g] for g in sharding.local_mesh_ids], sharding,
+            outs.append(MpmdArray([held[g] for g in self._local_holders[k]], sharding,
                                   shape=aval.shape, dtype=np.dtype(aval.dtype)))
         return jax.tree.unflatten(plan.out_tree, outs)
 

@@ -27,7 +27,13 @@ from jaxpp_mpi._src.compiler.loop_tasks import (
     place_loop,
 )
 from jaxpp_mpi._src.compiler.lower import build_program_with_names
-from jaxpp_mpi._src.compiler.outer import OuterNames, Segment, outer_segments, segment_exe
+from jaxpp_mpi._src.compiler.outer import (
+    OuterNames,
+    Segment,
+    outer_segments,
+    segment_exe,
+    segment_exports,
+)
 from jaxpp_mpi._src.compiler.placement import place_outer
 from jaxpp_mpi._src.compiler.split import SplitBody, split_body
 from jaxpp_mpi._src.compiler.task_graph import TaskGraph, TaskNode, Value
@@ -218,11 +224,13 @@ def build_step(
     for order in orders:
         for item in order:
             read.update(item.ins)
-    seg_outs: dict[int, list[Value]] = {}
-    for order in orders:
+    seg_exports: dict[int, list] = {}  # per segment (by id): the variables it exports
+    seg_outs: dict[int, list[Value]] = {}  # ... and their value names
+    for g, order in enumerate(orders):
         for item in order:
             if isinstance(item, Segment):
-                seg_outs[id(item)] = segment_exe(item, names, read)[0]
+                seg_exports[id(item)] = segment_exports(item, names, read)
+                seg_outs[id(item)] = [names.value(v, g) for v in seg_exports[id(item)]]
     donatable = {f"in{k + n_consts}" for k in range(n_args) if donate[k]}
     keep = {v for v, _ in output_values}
     exes: list[dict[str, Exe]] = [dict(e) for e in lt.exes]
@@ -234,9 +242,9 @@ def build_step(
         for item in order:
             if isinstance(item, Segment):
                 argnums = donations[id(item)]
-                outs, exe = segment_exe(item, names, read, argnums)
-                exes[g][item.exe] = exe
-                group_tasks.append(TaskNode(item.task_name, g, item.exe, item.ins, outs,
+                exes[g][item.exe] = segment_exe(item, seg_exports[id(item)], argnums)
+                group_tasks.append(TaskNode(item.task_name, g, item.exe, item.ins,
+                                            seg_outs[id(item)],
                                             donate=tuple(item.ins[j] for j in argnums)))
             else:
                 group_tasks.append(item)

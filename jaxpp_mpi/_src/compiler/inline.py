@@ -54,12 +54,7 @@ def inline_marked_calls(jaxpr: jex_core.Jaxpr) -> jex_core.Jaxpr:
         for e in jaxpr.eqns for s in jex_core.jaxprs_in_params(e.params)
     ):
         return jaxpr
-    env: dict = {}
-    eqns: list = []
-    _inline_into(jaxpr, env, eqns, everything=False)
-    outvars = [_read(env, v) for v in jaxpr.outvars]
-    return new_jaxpr(jaxpr.invars, outvars, eqns, name="inlined body",
-                     constvars=jaxpr.constvars)
+    return _inlined(jaxpr, everything=False, name="inlined body")
 
 
 def inline_calls(jaxpr: jex_core.Jaxpr) -> jex_core.Jaxpr:
@@ -74,12 +69,15 @@ def inline_calls(jaxpr: jex_core.Jaxpr) -> jex_core.Jaxpr:
     """
     if not any(e.primitive.name in _CALLS for e in jaxpr.eqns):
         return jaxpr
+    return _inlined(jaxpr, everything=True, name="inlined step")
+
+
+def _inlined(jaxpr: jex_core.Jaxpr, *, everything: bool, name: str) -> jex_core.Jaxpr:
     env: dict = {}
     eqns: list = []
-    _inline_into(jaxpr, env, eqns, everything=True)
+    _inline_into(jaxpr, env, eqns, everything=everything)
     outvars = [_read(env, v) for v in jaxpr.outvars]
-    return new_jaxpr(jaxpr.invars, outvars, eqns, name="inlined step",
-                     constvars=jaxpr.constvars)
+    return new_jaxpr(jaxpr.invars, outvars, eqns, name=name, constvars=jaxpr.constvars)
 
 
 def _read(env: dict, atom):

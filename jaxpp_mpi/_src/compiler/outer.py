@@ -27,7 +27,7 @@ from jaxpp_mpi._src.compiler.loop_tasks import Exe
 from jaxpp_mpi._src.compiler.placement import OuterPlan
 from jaxpp_mpi._src.compiler.task_graph import Value
 
-__all__ = ["OuterNames", "Segment", "outer_segments", "segment_exe"]
+__all__ = ["OuterNames", "Segment", "outer_segments", "segment_exe", "segment_exports"]
 
 
 def _is_var(x) -> bool:
@@ -137,14 +137,17 @@ def outer_segments(
     return pre, post
 
 
-def segment_exe(seg: Segment, names: OuterNames, read: Collection[Value],
-                donate_argnums: tuple[int, ...] = ()) -> tuple[list[Value], Exe]:
-    """The values `seg` exports (those in `read`) and its executable."""
-    export = [v for v in seg.defined if names.value(v, seg.group) in read]
+def segment_exports(seg: Segment, names: OuterNames, read: Collection[Value]) -> list:
+    """The variables `seg` defines that some task or the step's result reads."""
+    return [v for v in seg.defined if names.value(v, seg.group) in read]
+
+
+def segment_exe(seg: Segment, export: list, donate_argnums: tuple[int, ...] = ()) -> Exe:
+    """The executable of `seg`: its inputs -> the `export` variables."""
     jaxpr = new_jaxpr(seg.in_vars, export, seg.eqns, name=f"{seg.task_name} segment")
     run = jex_core.jaxpr_as_fun(jex_core.ClosedJaxpr(jaxpr, []))
 
     def fn(*args):
         return tuple(run(*args))
 
-    return [names.value(v, seg.group) for v in export], Exe(fn, donate_argnums)
+    return Exe(fn, donate_argnums)

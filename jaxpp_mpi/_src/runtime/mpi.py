@@ -67,8 +67,9 @@ class ShardPlan:
         self.dtype = np.dtype(aval.dtype)
         self.sharding = sharding
         by_index: dict[tuple, list] = {}
+        indices = sharding.devices_indices_map(self.shape)
         for device in sharding.mesh.devices.flat:
-            index = sharding.devices_indices_map(self.shape)[device]
+            index = indices[device]
             key = tuple((s.start, s.stop, s.step) for s in index)
             by_index.setdefault(key, []).append((device, index))
         self.pieces = []
@@ -113,9 +114,6 @@ class _Messenger:
     def __init__(self, comm: Any, group_size: int):
         self.comm = comm
         self.n = group_size
-
-    def _struct(self, shape, dtype, device):
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=SingleDeviceSharding(device))
 
     def _in_sharding(self, plan: ShardPlan, device):
         return plan.sharding if plan.single else SingleDeviceSharding(device)
