@@ -21,7 +21,7 @@ from typing import Any
 import jax
 
 from ..program import Aval, Free, GroupProgram, Run
-from ..timing import TaskTimes, active_task_times
+from ..timing import TaskTimes, TraceEvent, active_task_times
 
 __all__ = [
     "BufferLayout",
@@ -32,6 +32,8 @@ __all__ = [
     "bind_run",
     "bind_steps",
     "execute",
+    "timed_message",
+    "wall_ns",
     "InputBinder",
     "OutputCollector",
 ]
@@ -75,6 +77,32 @@ class StepLists:
         pairs = list(pairs)
         self.untimed: tuple[Step, ...] = tuple(p[0] for p in pairs)
         self.timed: tuple[Step, ...] = tuple(p[1] for p in pairs)
+
+
+def wall_ns(start: int, end: int) -> tuple[int, int]:
+    """`perf_counter_ns` readings `start`, `end` (just taken) as wall-clock ns."""
+    offset = time.time_ns() - time.perf_counter_ns()
+    return start + offset, end + offset
+
+
+def timed_message(step: Step, group: int, name: str, args: dict[str, Any]) -> Step:
+    """`step` (a blocking message step) timed as a `TraceEvent` when events are recorded.
+
+    The message's wait is not part of any task's time, so only the event list sees it.
+    """
+
+    def timed(table: Table, times: TaskTimes | None) -> None:
+        events = times.events  # type: ignore[union-attr]
+        if events is None:
+            step(table, times)
+            return
+        start = time.perf_counter_ns()
+        step(table, times)
+        jax.effects_barrier()  # the message's MPI calls are done
+        end = time.perf_counter_ns()
+        events.append(TraceEvent(name, "message", group, *wall_ns(start, end), args))
+
+    return timed
 
 
 def execute(steps: StepLists, table: Table) -> None:
@@ -143,10 +171,13 @@ def bind_run(
         def timed_run(table: Table, times: TaskTimes | None) -> None:
             args = [table[s] for s in ins]
             jax.block_until_ready(args)
-            start = time.perf_counter()
+            start = time.perf_counter_ns()
             results = jax.block_until_ready(exe(*args))
-            elapsed = (time.perf_counter() - start) * 1e3
-            times.setdefault(label, []).append(elapsed)  # type: ignore[union-attr]
+            end = time.perf_counter_ns()
+            times.setdefault(label, []).append((end - start) * 1e-6)  # type: ignore[union-attr]
+            events = times.events  # type: ignore[union-attr]
+            if events is not None:
+                events.append(TraceEvent(label, "task", group, *wall_ns(start, end)))
             store(table, results)
 
         return run, timed_run

@@ -15,14 +15,18 @@ Note: local order.
 from __future__ import annotations
 
 import dataclasses
+import math
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from ..program import Aval, Free, Program, Run, SendRecv
 from ..program_passes import match_messages, recv_half, send_half
 from ..simulate import verify
+from ..timing import TraceEvent
 from .executor import (
     BufferLayout,
     Executable,
@@ -36,6 +40,7 @@ from .executor import (
     bind_run,
     bind_steps,
     execute,
+    wall_ns,
 )
 
 __all__ = ["LocalExecutor", "Transfer", "local_order"]
@@ -109,7 +114,20 @@ def _bind_transfer(layout: BufferLayout, shardings: ShardingFn) -> StepBinder:
         def move(table: Table, times: Any) -> None:
             table[dst] = jax.device_put(table[src], sharding)
 
-        return move, move
+        args = {"src": op.src, "dst": op.dst, "src_buf": op.src_buf, "dst_buf": op.dst_buf,
+                "bytes": math.prod(op.aval.shape) * jnp.dtype(op.aval.dtype).itemsize}
+
+        def timed_move(table: Table, times: Any) -> None:
+            events = times.events
+            if events is None:
+                move(table, times)
+                return
+            start = time.perf_counter_ns()
+            table[dst] = jax.block_until_ready(jax.device_put(table[src], sharding))
+            end = time.perf_counter_ns()
+            events.append(TraceEvent("transfer", "message", op.dst, *wall_ns(start, end), args))
+
+        return move, timed_move
 
     return bind
 

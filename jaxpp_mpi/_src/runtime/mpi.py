@@ -47,6 +47,7 @@ from .executor import (
     bind_run,
     bind_steps,
     execute,
+    timed_message,
 )
 
 __all__ = ["MpiExecutor", "ShardPlan"]
@@ -78,6 +79,7 @@ class ShardPlan:
             shape = tuple(len(range(*s.indices(d))) for s, d in zip(index, self.shape))
             self.pieces.append((device, shape, [d for d, _ in holders[1:]]))
         self.single = sharding.mesh.devices.size == 1
+        self.nbytes = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
 
     def shards_of(self, x: jax.Array) -> list[jax.Array]:
         """The distinct shards' data, in plan order."""
@@ -228,7 +230,8 @@ class MpiExecutor:
             for fn, shard in zip(sends, plan.shards_of(table[slot])):
                 fn(shard)
 
-        return step, step
+        args = {"dst": instr.dst, "tag": instr.tag, "buf": instr.buf, "bytes": plan.nbytes}
+        return step, timed_message(step, group, "send", args)
 
     def _bind_recv(self, group: int, instr: Recv) -> tuple[Step, Step]:
         slot = self.layout.slot(group, instr.buf)
@@ -238,7 +241,8 @@ class MpiExecutor:
         def step(table: Table, times: Any) -> None:
             table[slot] = plan.assemble([fn() for fn in recvs])
 
-        return step, step
+        args = {"src": instr.src, "tag": instr.tag, "buf": instr.buf, "bytes": plan.nbytes}
+        return step, timed_message(step, group, "recv", args)
 
     def _bind_sendrecv(self, group: int, instr: SendRecv) -> tuple[Step, Step]:
         if instr.dst != instr.src:
@@ -279,7 +283,10 @@ class MpiExecutor:
                 got += [fn() for fn in recvs]
             table[r_slot] = r_plan.assemble(got)
 
-        return step, step
+        args = {"peer": instr.dst, "send_tag": instr.send_tag, "recv_tag": instr.recv_tag,
+                "send_buf": instr.send_buf, "recv_buf": instr.recv_buf,
+                "send_bytes": s_plan.nbytes, "recv_bytes": r_plan.nbytes}
+        return step, timed_message(step, group, "sendrecv", args)
 
     def run_replicas(self, step_inputs) -> list[dict[int, jax.Array]]:
         """Runs one step of this rank's program; per flat output, {group: array} for the
