@@ -85,8 +85,10 @@ def wall_ns(start: int, end: int) -> tuple[int, int]:
     return start + offset, end + offset
 
 
-def timed_message(step: Step, group: int, name: str, args: dict[str, Any]) -> Step:
-    """`step` (a blocking message step) timed as a `TraceEvent` when events are recorded.
+def timed_message(step: Step, group: int, name: str, args: dict[str, Any],
+                  wait: Callable[[], None]) -> Step:
+    """`step` (a message step) timed as a `TraceEvent` when events are recorded; `wait()`
+    returns once the message's MPI calls have finished.
 
     The message's wait is not part of any task's time, so only the event list sees it.
     """
@@ -98,7 +100,7 @@ def timed_message(step: Step, group: int, name: str, args: dict[str, Any]) -> St
             return
         start = time.perf_counter_ns()
         step(table, times)
-        jax.effects_barrier()  # the message's MPI calls are done
+        wait()
         end = time.perf_counter_ns()
         events.append(TraceEvent(name, "message", group, *wall_ns(start, end), args))
 

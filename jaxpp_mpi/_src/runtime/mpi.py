@@ -1,25 +1,26 @@
 """The MPI executor: this rank runs its own group's program; messages go through mpi4jax.
 
 Note: messages.
-  A Send, Recv or SendRecv becomes calls of small single-device jitted functions
-  around `transport.send` / `recv` / `sendrecv`, compiled before the first step
-  (mpi4jax ops carry ordered effects, which JAX allows only on one device). A value
+  A Send, Recv or SendRecv becomes calls of small single-device jitted *message chains*
+  (`Note: message chains` in transport.py), compiled before the first step: mpi4jax's
+  MPI calls without its ordered effect, ordered instead by one `order` array that every
+  chain of this rank takes and returns (moved between devices when consecutive chains
+  run on different devices), so this rank's MPI calls happen in program order. A value
   of a multi-device group moves *shard by shard*: its distinct shards (one per
   distinct index of its sharding, taken from the first device holding it, in mesh
-  order) travel as separate messages, shard j
-  of message tag t with wire tag `t * group_size + j`, so shards of one value (sent
-  from different devices, whose effects are not ordered between each other) and
-  messages of one channel never mix. The receiver gets each distinct shard on the first
-  device that holds it, copies it to the other devices holding the same index, and
-  assembles the array. Both ends compute the same shard list from the same Aval and
-  equally shaped group meshes. A SendRecv pairs send shard j with receive shard j
-  while both sit on the same mesh position; the unpaired rest (different layouts on
-  both ends) follows with the lower rank sending first and the higher receiving first,
-  so the exchange stays deadlock-free.
+  order) travel as separate messages, shard j of message tag t with wire tag
+  `t * group_size + j`, so shards of one value and messages of one channel never mix.
+  The receiver gets each distinct shard on the first device that holds it, copies it
+  to the other devices holding the same index, and assembles the array. Both ends
+  compute the same shard list from the same Aval and equally shaped group meshes. A
+  SendRecv pairs send shard j with receive shard j while both sit on the same mesh
+  position; the unpaired rest (different layouts on both ends) follows with the lower
+  rank sending first and the higher receiving first, so the exchange stays
+  deadlock-free.
 
-  Nothing blocks Python: each step dispatches executables asynchronously and mpi4jax's
-  ordered effects keep this rank's MPI calls in program order per device, which the
-  verifier proved deadlock-free under rendezvous semantics.
+  Nothing blocks Python: each step dispatches executables and chains asynchronously;
+  the order chain keeps this rank's MPI calls in program order, which the verifier
+  proved deadlock-free under rendezvous semantics.
 """
 
 from __future__ import annotations
@@ -102,16 +103,17 @@ class ShardPlan:
 
 
 def _compiled(fn: Callable, args: list, in_sh, out_sh):
-    """`jax.jit(fn)`, compiled now (the first call then only traces and hits JAX's
-    compilation cache). Not the AOT `Compiled` object: calling that does not thread the
-    runtime token that mpi4jax's ordered effects need."""
+    """`jax.jit(fn)` with explicit shardings, compiled now (the first call then only hits
+    JAX's compilation cache): no compiling while peers already send."""
     jitted = jax.jit(fn, in_shardings=in_sh, out_shardings=out_sh)
     jitted.lower(*args).compile()
     return jitted
 
 
 class _Messenger:
-    """Pre-compiled send / recv / sendrecv executables, shared by identical messages."""
+    """Pre-compiled message chains (`Note: message chains` in transport.py), one per
+    distinct (kind, shapes, dtypes, device, peer, tags), each `fn(order, *x) -> (order,
+    *received)` on one device."""
 
     def __init__(self, comm: Any, group_size: int):
         self.comm = comm
@@ -121,34 +123,36 @@ class _Messenger:
         return plan.sharding if plan.single else SingleDeviceSharding(device)
 
     @functools.cache  # noqa: B019 - lives as long as the executor
-    def send(self, shape, dtype, device, dst: int, tag: int, in_sh):
-        comm = self.comm
-        struct = jax.ShapeDtypeStruct(shape, dtype, sharding=in_sh)
-        return _compiled(lambda x: transport.send(x, dst, tag, comm), [struct], in_sh, None)
+    def _fn(self, ops: tuple, device, send_shapes: tuple, send_shardings: tuple,
+            recv_shardings: tuple):
+        order_sh = SingleDeviceSharding(device)
+        order = jax.ShapeDtypeStruct((), np.int32, sharding=order_sh)
+        structs = [jax.ShapeDtypeStruct(shape, dtype, sharding=sh)
+                   for (shape, dtype), sh in zip(send_shapes, send_shardings)]
+        return _compiled(transport.chain_fn(ops, self.comm), [order, *structs],
+                         (order_sh, *send_shardings), (order_sh, *recv_shardings))
 
-    @functools.cache  # noqa: B019
-    def recv(self, shape, dtype, device, src: int, tag: int, out_sh):
-        comm = self.comm
-        return _compiled(lambda: transport.recv(shape, dtype, src, tag, comm), [], (), out_sh)
+    def send(self, plan: ShardPlan, j: int, dst: int, tag: int):
+        device, shape, _ = plan.pieces[j]
+        sh = self._in_sharding(plan, device)
+        op = ("send", dst, tag * self.n + j)
+        return device, self._fn((op,), device, ((shape, plan.dtype),), (sh,), ())
 
-    @functools.cache  # noqa: B019
-    def sendrecv(self, s_shape, s_dtype, r_shape, r_dtype, peer: int, s_tag: int, r_tag: int,
-                 in_sh, out_sh):
-        comm = self.comm
-        struct = jax.ShapeDtypeStruct(s_shape, s_dtype, sharding=in_sh)
-        return _compiled(
-            lambda x: transport.sendrecv(x, peer, s_tag, r_shape, r_dtype, peer, r_tag, comm),
-            [struct], in_sh, out_sh)
+    def recv(self, plan: ShardPlan, j: int, src: int, tag: int):
+        device, shape, _ = plan.pieces[j]
+        sh = self._in_sharding(plan, device)
+        op = ("recv", src, tag * self.n + j, shape, plan.dtype.name)
+        return device, self._fn((op,), device, (), (), (sh,))
 
-    def sends(self, plan: ShardPlan, dst: int, tag: int) -> list:
-        return [self.send(shape, plan.dtype, dev, dst, tag * self.n + j,
-                          self._in_sharding(plan, dev))
-                for j, (dev, shape, _) in enumerate(plan.pieces)]
-
-    def recvs(self, plan: ShardPlan, src: int, tag: int) -> list:
-        return [self.recv(shape, plan.dtype, dev, src, tag * self.n + j,
-                          self._in_sharding(plan, dev))
-                for j, (dev, shape, _) in enumerate(plan.pieces)]
+    def sendrecv(self, s_plan: ShardPlan, r_plan: ShardPlan, j: int, peer: int,
+                 s_tag: int, r_tag: int):
+        device, s_shape, _ = s_plan.pieces[j]
+        _, r_shape, _ = r_plan.pieces[j]
+        op = ("sendrecv", peer, s_tag * self.n + j, r_tag * self.n + j, r_shape,
+              r_plan.dtype.name)
+        return device, self._fn((op,), device, ((s_shape, s_plan.dtype),),
+                                (self._in_sharding(s_plan, device),),
+                                (self._in_sharding(r_plan, device),))
 
 
 class MpiExecutor:
@@ -183,6 +187,7 @@ class MpiExecutor:
         group_size = sharding(Aval((), "int32")).mesh.devices.size
         self._check_tags(gp, group_size, comm)
         self._messenger = _Messenger(comm, group_size)
+        self._chain = transport.Chain(sharding(Aval((), "int32")).mesh.devices.flat[0])
         self._plans: dict[Aval, ShardPlan] = {}
         self._sharding = sharding
         tables: list[Mapping[str, Executable]] = [{} for _ in range(program.num_groups)]
@@ -224,25 +229,31 @@ class MpiExecutor:
     def _bind_send(self, group: int, instr: Send) -> tuple[Step, Step]:
         slot = self.layout.slot(group, instr.buf)
         plan = self._plan(self.group_program.aval(instr.buf))
-        sends = self._messenger.sends(plan, instr.dst, instr.tag)
+        m, chain = self._messenger, self._chain
+        sends = [m.send(plan, j, instr.dst, instr.tag) for j in range(len(plan.pieces))]
 
         def step(table: Table, times: Any) -> None:
-            for fn, shard in zip(sends, plan.shards_of(table[slot])):
-                fn(shard)
+            for (device, fn), shard in zip(sends, plan.shards_of(table[slot])):
+                (chain.order,) = fn(chain.on(device), shard)
 
         args = {"dst": instr.dst, "tag": instr.tag, "buf": instr.buf, "bytes": plan.nbytes}
-        return step, timed_message(step, group, "send", args)
+        return step, timed_message(step, group, "send", args, chain.wait)
 
     def _bind_recv(self, group: int, instr: Recv) -> tuple[Step, Step]:
         slot = self.layout.slot(group, instr.buf)
         plan = self._plan(instr.aval)
-        recvs = self._messenger.recvs(plan, instr.src, instr.tag)
+        m, chain = self._messenger, self._chain
+        recvs = [m.recv(plan, j, instr.src, instr.tag) for j in range(len(plan.pieces))]
 
         def step(table: Table, times: Any) -> None:
-            table[slot] = plan.assemble([fn() for fn in recvs])
+            got = []
+            for device, fn in recvs:
+                chain.order, x = fn(chain.on(device))
+                got.append(x)
+            table[slot] = plan.assemble(got)
 
         args = {"src": instr.src, "tag": instr.tag, "buf": instr.buf, "bytes": plan.nbytes}
-        return step, timed_message(step, group, "recv", args)
+        return step, timed_message(step, group, "recv", args, chain.wait)
 
     def _bind_sendrecv(self, group: int, instr: SendRecv) -> tuple[Step, Step]:
         if instr.dst != instr.src:
@@ -251,42 +262,43 @@ class MpiExecutor:
         r_slot = self.layout.slot(group, instr.recv_buf)
         s_plan = self._plan(self.group_program.aval(instr.send_buf))
         r_plan = self._plan(instr.aval)
-        m = self._messenger
-        n = m.n
+        m, chain, peer = self._messenger, self._chain, instr.dst
         # Shard j of each direction pairs into one sendrecv while both sit on one device.
         paired = 0
         for (s_dev, _, _), (r_dev, _, _) in zip(s_plan.pieces, r_plan.pieces):
             if s_dev != r_dev:
                 break
             paired += 1
-        both = []
-        for j in range(paired):
-            s_dev, s_shape, _ = s_plan.pieces[j]
-            r_dev, r_shape, _ = r_plan.pieces[j]
-            both.append(m.sendrecv(s_shape, s_plan.dtype, r_shape, r_plan.dtype, instr.dst,
-                                   instr.send_tag * n + j, instr.recv_tag * n + j,
-                                   m._in_sharding(s_plan, s_dev),
-                                   m._in_sharding(r_plan, r_dev)))
-        sends = m.sends(s_plan, instr.dst, instr.send_tag)[paired:]
-        recvs = m.recvs(r_plan, instr.src, instr.recv_tag)[paired:]
-
-        sends_first = group < instr.dst  # the unpaired rest: the lower rank sends first
+        both = [m.sendrecv(s_plan, r_plan, j, peer, instr.send_tag, instr.recv_tag)
+                for j in range(paired)]
+        sends = [m.send(s_plan, j, peer, instr.send_tag)
+                 for j in range(paired, len(s_plan.pieces))]
+        recvs = [m.recv(r_plan, j, peer, instr.recv_tag)
+                 for j in range(paired, len(r_plan.pieces))]
+        sends_first = group < peer  # the unpaired rest: the lower rank sends first
 
         def step(table: Table, times: Any) -> None:
             shards = s_plan.shards_of(table[s_slot])
-            got = [fn(x) for fn, x in zip(both, shards)]
+            got = []
+            for (device, fn), x in zip(both, shards):
+                chain.order, y = fn(chain.on(device), x)
+                got.append(y)
             if not sends_first:
-                got += [fn() for fn in recvs]
-            for fn, x in zip(sends, shards[paired:]):
-                fn(x)
+                for device, fn in recvs:
+                    chain.order, y = fn(chain.on(device))
+                    got.append(y)
+            for (device, fn), x in zip(sends, shards[paired:]):
+                (chain.order,) = fn(chain.on(device), x)
             if sends_first:
-                got += [fn() for fn in recvs]
+                for device, fn in recvs:
+                    chain.order, y = fn(chain.on(device))
+                    got.append(y)
             table[r_slot] = r_plan.assemble(got)
 
-        args = {"peer": instr.dst, "send_tag": instr.send_tag, "recv_tag": instr.recv_tag,
+        args = {"peer": peer, "send_tag": instr.send_tag, "recv_tag": instr.recv_tag,
                 "send_buf": instr.send_buf, "recv_buf": instr.recv_buf,
                 "send_bytes": s_plan.nbytes, "recv_bytes": r_plan.nbytes}
-        return step, timed_message(step, group, "sendrecv", args)
+        return step, timed_message(step, group, "sendrecv", args, chain.wait)
 
     def run_replicas(self, step_inputs) -> list[dict[int, jax.Array]]:
         """Runs one step of this rank's program; per flat output, {group: array} for the
