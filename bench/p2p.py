@@ -2,9 +2,12 @@
 
 Run with 2 ranks:  launch/jpprun -n 2 python bench/p2p.py --out bench/results/p2p.json
 
-Both sides ping-pong the same bytes between rank 0 and rank 1 in the same run:
-- `jaxpp_mpi`: jitted `transport.send` / `transport.recv` on jax arrays (what the MPI
-  executor runs for a one-device group);
+All sides ping-pong the same bytes between rank 0 and rank 1 in the same run, taking
+turns rep by rep (so a noisy neighbour hurts all alike):
+- `jaxpp_mpi`: the MPI executor's message chains (`_Messenger` of runtime/mpi.py, see
+  `Note: message chains`): jitted mpi4jax FFI calls ordered by an order array;
+- `mpi4jax_effect`: jitted `mpi4jax.send` / `mpi4jax.recv` with their ordered effect
+  (the runtime's previous path, kept for comparison);
 - `mpi4py`: `comm.Send` / `comm.Recv` on preallocated numpy buffers (the floor).
 Latency is half the median round trip; bandwidth is bytes / latency.
 """
@@ -20,20 +23,19 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxpp_mpi._src.program import Aval
 from jaxpp_mpi._src.runtime import transport
+from jaxpp_mpi._src.runtime.mpi import ShardPlan, _Messenger
 
 SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 
 
-def _median_round_trip(step, reps: int) -> float:
-    step()  # warm-up (compiles the jitted side)
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
+def _timed(step) -> float:
+    start = time.perf_counter()
+    step()
+    return time.perf_counter() - start
 
 
 def bench_size(comm, nbytes: int, reps: int) -> dict:
@@ -43,37 +45,56 @@ def bench_size(comm, nbytes: int, reps: int) -> dict:
     buf = np.arange(n, dtype=np.float32)
     out = np.empty_like(buf)
 
-    send = jax.jit(lambda x: transport.send(x, peer, 0, comm))
-    recv = jax.jit(lambda: transport.recv((n,), jnp.float32, peer, 0, comm))
+    mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+    plan = ShardPlan(Aval((n,), "float32"), NamedSharding(mesh, PartitionSpec()))
+    messenger = _Messenger(comm, 1)
+    chain = transport.Chain(jax.devices()[0])
+    (_, send), (_, recv) = messenger.send(plan, 0, peer, 0), messenger.recv(plan, 0, peer, 0)
 
-    def jax_step():
+    def chain_step():
         if rank == 0:
-            send(x)
-            recv().block_until_ready()
+            (chain.order,) = send(chain.order, x)
+            chain.order, y = recv(chain.order)
+            y.block_until_ready()
         else:
-            y = recv()
-            send(y)
+            chain.order, y = recv(chain.order)
+            (chain.order,) = send(chain.order, y)
+            chain.wait()
+
+    e_send = jax.jit(lambda x: transport.send(x, peer, 1, comm))
+    e_recv = jax.jit(lambda: transport.recv((n,), jnp.float32, peer, 1, comm))
+
+    def effect_step():
+        if rank == 0:
+            e_send(x)
+            e_recv().block_until_ready()
+        else:
+            e_send(e_recv())
+            jax.effects_barrier()
 
     def mpi4py_step():
         if rank == 0:
-            comm.Send(buf, dest=peer, tag=1)
-            comm.Recv(out, source=peer, tag=1)
+            comm.Send(buf, dest=peer, tag=2)
+            comm.Recv(out, source=peer, tag=2)
         else:
-            comm.Recv(out, source=peer, tag=1)
-            comm.Send(out, dest=peer, tag=1)
+            comm.Recv(out, source=peer, tag=2)
+            comm.Send(out, dest=peer, tag=2)
 
-    comm.Barrier()
-    t_jax = _median_round_trip(jax_step, reps) / 2
-    comm.Barrier()
-    t_raw = _median_round_trip(mpi4py_step, reps) / 2
-    return {
-        "bytes": nbytes,
-        "jaxpp_mpi_latency_us": t_jax * 1e6,
-        "mpi4py_latency_us": t_raw * 1e6,
-        "jaxpp_mpi_GBps": nbytes / t_jax / 1e9,
-        "mpi4py_GBps": nbytes / t_raw / 1e9,
-        "bandwidth_ratio": t_raw / t_jax,
-    }
+    steps = {"jaxpp_mpi": chain_step, "mpi4jax_effect": effect_step, "mpi4py": mpi4py_step}
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    for step in steps.values():  # warm-up (compiles the jitted sides)
+        step()
+    for _ in range(reps):
+        for name, step in steps.items():
+            comm.Barrier()
+            times[name].append(_timed(step))
+    row: dict = {"bytes": nbytes}
+    for name, ts in times.items():
+        t = float(np.median(ts)) / 2
+        row[f"{name}_latency_us"] = t * 1e6
+        row[f"{name}_GBps"] = nbytes / t / 1e9
+    row["bandwidth_ratio"] = row["jaxpp_mpi_GBps"] / row["mpi4py_GBps"]
+    return row
 
 
 def main() -> None:
@@ -98,10 +119,11 @@ def main() -> None:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)
-        print(f"{'bytes':>10} {'jaxpp_mpi us':>13} {'mpi4py us':>10} "
+        print(f"{'bytes':>10} {'jaxpp_mpi us':>13} {'effect us':>10} {'mpi4py us':>10} "
               f"{'jaxpp GB/s':>10} {'mpi4py GB/s':>11} {'ratio':>6}")
         for r in rows:
             print(f"{r['bytes']:>10} {r['jaxpp_mpi_latency_us']:>13.1f} "
+                  f"{r['mpi4jax_effect_latency_us']:>10.1f} "
                   f"{r['mpi4py_latency_us']:>10.1f} {r['jaxpp_mpi_GBps']:>10.3f} "
                   f"{r['mpi4py_GBps']:>11.3f} {r['bandwidth_ratio']:>6.2f}")
         print(f"wrote {args.out}")
