@@ -34,6 +34,8 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
+from jaxpp_mpi._src import config
+
 __all__ = ["MpmdMesh", "make_mpmd_mesh"]
 
 # Environment variables in which MPI launchers publish the job's size (Open MPI; MPICH,
@@ -173,6 +175,10 @@ class MpmdMesh:
             )
         if comm is None:
             comm = _default_comm()
+        if config.options().abort_on_exception:
+            from jaxpp_mpi._src.runtime.failure import install_abort_on_exception
+
+            install_abort_on_exception(int(comm.Get_rank()), comm.Abort)
         self._is_local = False
         self._comm = comm
         self._mpmd_dim = int(comm.Get_size())

@@ -33,8 +33,11 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, SingleDeviceSharding
 
+from .. import config
+from ..config import Options
 from ..program import Aval, Free, GroupProgram, Program, Recv, Run, Send, SendRecv
 from ..simulate import verify
+from ..timing import active_task_times
 from . import transport
 from .executor import (
     BufferLayout,
@@ -43,6 +46,7 @@ from .executor import (
     OutputCollector,
     Step,
     StepBinder,
+    StepLists,
     Table,
     bind_free,
     bind_run,
@@ -50,6 +54,7 @@ from .executor import (
     execute,
     timed_message,
 )
+from .failure import Watchdog, describe_task
 
 __all__ = ["MpiExecutor", "ShardPlan"]
 
@@ -177,6 +182,7 @@ class MpiExecutor:
         executables: Mapping[str, Executable],
         sharding: Callable[[Aval], NamedSharding],
         comm: Any,
+        options: Options | None = None,
     ):
         verify(program, check_leaks=False)
         self.program = program
@@ -200,6 +206,12 @@ class MpiExecutor:
             SendRecv: self._bind_sendrecv,
         }
         self._steps = bind_steps(((mpmd_idx, i) for i in gp.instrs), binders)
+        options = options or config.options()
+        self._watchdog = None
+        if options.watchdog:
+            self._watchdog = Watchdog(comm.Get_rank(), options, functools.partial(
+                describe_instr, gp), len(gp.instrs), comm.Abort)
+            self._steps = self._marked(self._steps, self._watchdog)
         groups = program.groups
         num_inputs = 1 + max((k for g in groups for _, k in g.inputs), default=-1)
         num_outputs = 1 + max((k for g in groups for _, k in g.outputs), default=-1)
@@ -305,8 +317,69 @@ class MpiExecutor:
         outputs this group holds (empty dicts for the others)."""
         table = self.layout.new_table()
         self._bind_inputs(table, step_inputs)
-        execute(self._steps, table)
-        return self._collect(table)
+        wd = self._watchdog
+        if wd is None:
+            execute(self._steps, table)
+            return self._collect(table)
+        wd.step_started()
+        times = active_task_times()
+        for k, step in enumerate(self._steps.untimed if times is None else self._steps.timed):
+            wd.pc = k
+            step(table, times)
+        out = self._collect(table)
+        wd.step_dispatched([self._chain.order, *(x for r in out for x in r.values())])
+        return out
+
+    def _marked(self, steps: StepLists, wd: Watchdog) -> StepLists:
+        """`steps` where each message step leaves its chain's order array in
+        `wd.marks` (see `Note: watchdog`)."""
+        chain, marks = self._chain, wd.marks
+
+        def mark(k: int, step: Step) -> Step:
+            def marked(table: Table, times: Any) -> None:
+                step(table, times)
+                marks[k] = chain.order
+
+            return marked
+
+        pairs = []
+        for k, (instr, untimed, timed) in enumerate(
+                zip(self.group_program.instrs, steps.untimed, steps.timed)):
+            if isinstance(instr, (Send, Recv, SendRecv)):
+                untimed, timed = mark(k, untimed), mark(k, timed)
+            pairs.append((untimed, timed))
+        return StepLists(pairs)
+
+
+def describe_instr(gp: GroupProgram, k: int) -> str:
+    """Instruction k of `gp` for a person: the message and the task it feeds or drains,
+    e.g. 'Recv(%17 from rank 1, tag 5) of task B3s1 (backward, microbatch 3, stage 1)'."""
+    instrs = gp.instrs
+    instr = instrs[k]
+    if isinstance(instr, Run):
+        return describe_task(instr.task or instr.exe)
+
+    def producer(buf: int) -> str | None:
+        return next((i.task for i in reversed(instrs[:k])
+                     if isinstance(i, Run) and buf in i.outs and i.task), None)
+
+    def consumer(buf: int) -> str | None:
+        return next((i.task for i in instrs[k + 1:]
+                     if isinstance(i, Run) and buf in i.ins and i.task), None)
+
+    if isinstance(instr, Send):
+        what, task = f"Send(%{instr.buf} to rank {instr.dst}, tag {instr.tag})", producer(
+            instr.buf)
+    elif isinstance(instr, Recv):
+        what, task = f"Recv(%{instr.buf} from rank {instr.src}, tag {instr.tag})", consumer(
+            instr.buf)
+    elif isinstance(instr, SendRecv):
+        what = (f"SendRecv(%{instr.send_buf} to rank {instr.dst}, tag {instr.send_tag}; "
+                f"%{instr.recv_buf} from rank {instr.src}, tag {instr.recv_tag})")
+        task = consumer(instr.recv_buf) or producer(instr.send_buf)
+    else:
+        return str(instr)
+    return f"{what} of {describe_task(task)}" if task else what
 
 
 def agree_on_program(program: Program, comm: Any) -> None:

@@ -1,0 +1,87 @@
+"""Options read once from the environment, then passed down explicitly.
+
+Variables:
+  JAXPP_MPI_STEP_TIMEOUT: the watchdog's deadline per step in seconds; `auto` (default)
+    derives it from the first steps (see `Note: watchdog`); `0` or `off` disables it.
+  JAXPP_MPI_WATCHDOG_GRACE: seconds between a watchdog report and the abort, so every
+    rank's report gets out (default 5).
+  JAXPP_MPI_ABORT_ON_EXCEPTION: `1` (default): in MPI mode an uncaught exception on any
+    rank prints its traceback prefixed with the rank and aborts the whole job; `0`
+    leaves `sys.excepthook` alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from collections.abc import Mapping
+
+__all__ = ["Options", "options", "parse_options"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """jaxpp_mpi's run-time options (see the module docstring for the variables).
+
+    Attributes:
+      step_timeout_s: a fixed watchdog deadline, or None for the automatic one.
+      watchdog: whether the watchdog runs at all.
+      watchdog_grace_s: pause between a watchdog report and the abort.
+      abort_on_exception: whether MPI mode installs the abort-on-exception hook.
+      first_steps: how many steps the automatic deadline learns from.
+      first_steps_timeout_s: the automatic deadline while it is learning.
+      auto_factor: the automatic deadline is this many times the slowest first step...
+      auto_floor_s: ...but never less than this.
+    """
+
+    step_timeout_s: float | None = None
+    watchdog: bool = True
+    watchdog_grace_s: float = 5.0
+    abort_on_exception: bool = True
+    first_steps: int = 3
+    first_steps_timeout_s: float = 300.0
+    auto_factor: float = 20.0
+    auto_floor_s: float = 60.0
+
+
+def _float(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number of seconds") from None
+    if value < 0:
+        raise ValueError(f"{name}={raw!r} must not be negative")
+    return value
+
+
+def parse_options(env: Mapping[str, str]) -> Options:
+    """The options set by `env` (an environment mapping).
+
+    Raises:
+      ValueError: naming the variable whose value is malformed.
+    """
+    timeout = env.get("JAXPP_MPI_STEP_TIMEOUT", "auto").strip().lower() or "auto"
+    watchdog, step_timeout = True, None
+    if timeout in ("0", "off", "none"):
+        watchdog = False
+    elif timeout != "auto":
+        step_timeout = _float(env, "JAXPP_MPI_STEP_TIMEOUT", 0.0)
+    abort = env.get("JAXPP_MPI_ABORT_ON_EXCEPTION", "1").strip().lower()
+    if abort not in ("0", "1", "true", "false", "yes", "no", "on", "off"):
+        raise ValueError(f"JAXPP_MPI_ABORT_ON_EXCEPTION={abort!r}: use 1 or 0")
+    return Options(
+        step_timeout_s=step_timeout,
+        watchdog=watchdog,
+        watchdog_grace_s=_float(env, "JAXPP_MPI_WATCHDOG_GRACE", 5.0),
+        abort_on_exception=abort in ("1", "true", "yes", "on"),
+    )
+
+
+@functools.cache
+def options() -> Options:
+    """The process's options, read from `os.environ` on first use."""
+    return parse_options(os.environ)

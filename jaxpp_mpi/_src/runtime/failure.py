@@ -1,0 +1,197 @@
+"""Failing fast under MPI: the abort-on-exception hook and the step watchdog.
+
+Note: abort on exception.
+  An MPI job whose rank raises while its peers wait in a receive hangs forever unless
+  someone aborts it. In MPI mode jaxpp_mpi installs `sys.excepthook` and
+  `threading.excepthook` wrappers (once, when the first MPI-mode mesh is built; opt out
+  with JAXPP_MPI_ABORT_ON_EXCEPTION=0): the traceback is printed once, every line
+  prefixed with `[rank r]`, then `MPI_Abort` ends every rank with a non-zero status.
+
+Note: watchdog.
+  A stalled peer (a stuck stage, a lost node that the launcher does not notice) would
+  leave every other rank blocked in MPI. Each MPI executor has a watchdog thread that
+  knows, for the step in flight, the instruction Python is dispatching (`pc`; a
+  message chain whose inputs are ready runs inline, so a blocked receive holds Python
+  at its instruction) and, per message instruction, the `order` array its chain
+  returned (ready once its MPI calls are done). When a step runs past its deadline,
+  the watchdog prints which instruction this rank is blocked on, waits a grace period
+  (so the other ranks, whose deadlines expire at about the same time, print theirs),
+  then aborts the job. Deadline: JAXPP_MPI_STEP_TIMEOUT seconds, or automatically
+  `first_steps_timeout_s` for the first steps and then `max(auto_floor_s, auto_factor
+  * slowest step seen)`. The thread wakes every `poll_s` and never touches MPI.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ..config import Options
+
+__all__ = ["Watchdog", "describe_task", "install_abort_on_exception"]
+
+_installed = False
+
+
+def _prefixed(rank: int, text: str) -> str:
+    return "".join(f"[rank {rank}] {line}\n" for line in text.splitlines())
+
+
+def install_abort_on_exception(rank: int, abort: Callable[[int], None]) -> None:
+    """Installs the hooks of `Note: abort on exception` (only the first call does).
+
+    Args:
+      rank: this process's rank, for the prefix.
+      abort: ends the whole job with the given status (e.g. `comm.Abort`).
+    """
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    previous_thread_hook = threading.excepthook
+
+    def hook(exc_type, exc, tb) -> None:
+        if issubclass(exc_type, SystemExit):
+            return
+        text = "".join(traceback.format_exception(exc_type, exc, tb))
+        sys.stderr.write(_prefixed(rank, text))
+        sys.stderr.write(f"[rank {rank}] jaxpp_mpi: aborting the MPI job after an "
+                         f"uncaught {exc_type.__name__} on rank {rank}\n")
+        sys.stderr.flush()
+        abort(1)
+
+    def thread_hook(args) -> None:
+        if args.exc_type is SystemExit:
+            previous_thread_hook(args)
+            return
+        hook(args.exc_type, args.exc_value, args.exc_traceback)
+
+    sys.excepthook = hook
+    threading.excepthook = thread_hook
+
+
+_LABEL = re.compile(r"([A-Z]+)(\d+)s(\d+)")
+_KINDS = {"F": "forward", "B": "backward", "I": "backward (input grads)",
+          "W": "backward (weight grads)"}
+
+
+def describe_task(label: str) -> str:
+    """'B3s1' -> 'task B3s1 (backward, microbatch 3, stage 1)'; other labels as is."""
+    parts = []
+    for piece in label.split("+"):
+        m = _LABEL.fullmatch(piece)
+        if m:
+            kind = _KINDS.get(m.group(1), m.group(1))
+            parts.append(f"{kind}, microbatch {m.group(2)}, stage {m.group(3)}")
+    return f"task {label} ({'; '.join(parts)})" if parts else f"task {label}"
+
+
+class Watchdog:
+    """The step watchdog of one MPI executor (see `Note: watchdog`).
+
+    Args:
+      rank: this process's rank.
+      options: the deadline settings.
+      describe: `describe(k)` names instruction k for the report.
+      num_instrs: the program's instruction count on this rank.
+      abort: ends the whole job with the given status.
+      poll_s: how often the thread looks.
+    """
+
+    def __init__(self, rank: int, options: Options, describe: Callable[[int], str],
+                 num_instrs: int, abort: Callable[[int], None], poll_s: float = 0.25):
+        self.rank = rank
+        self.options = options
+        self.describe = describe
+        self.num_instrs = num_instrs
+        self.abort = abort
+        self.poll_s = poll_s
+        self.pc = num_instrs  # the instruction Python is dispatching
+        self.marks: list[Any] = [None] * num_instrs  # per message: its order array
+        self._lock = threading.Lock()
+        self._step = 0
+        self._start: float | None = None
+        self._done: Sequence[Any] | None = None
+        self._durations: list[float] = []
+        self._thread: threading.Thread | None = None
+
+    def deadline_s(self) -> float:
+        """The current step's deadline in seconds."""
+        o = self.options
+        if o.step_timeout_s is not None:
+            return o.step_timeout_s
+        if len(self._durations) < o.first_steps:
+            return o.first_steps_timeout_s
+        return max(o.auto_floor_s, o.auto_factor * max(self._durations))
+
+    def step_started(self) -> None:
+        """Called by the executor before it dispatches a step."""
+        with self._lock:
+            self._step += 1
+            self._start = time.monotonic()
+            self._done = None
+            self.pc = 0
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._watch, name="jaxpp_mpi-watchdog",
+                                            daemon=True)
+            self._thread.start()
+
+    def step_dispatched(self, done: Sequence[Any]) -> None:
+        """Called once the step is dispatched; it is finished when all of `done` are."""
+        with self._lock:
+            self.pc = self.num_instrs
+            self._done = list(done)
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(self.poll_s)
+            with self._lock:
+                if self._start is None:
+                    continue
+                elapsed = time.monotonic() - self._start
+                done = self._done
+                if done is not None and all(_ready(x) for x in done):
+                    self._durations.append(elapsed)
+                    self._start = None
+                    continue
+                deadline = self.deadline_s()
+                if elapsed <= deadline:
+                    continue
+                report = self._report(elapsed, deadline)
+            sys.stderr.write(_prefixed(self.rank, report))
+            sys.stderr.flush()
+            time.sleep(self.options.watchdog_grace_s)
+            self.abort(1)
+            return
+
+    def _blocked_at(self) -> int | None:
+        if self.pc < self.num_instrs:
+            return self.pc
+        for k, mark in enumerate(self.marks):
+            if mark is not None and not _ready(mark):
+                return k
+        return None
+
+    def _report(self, elapsed: float, deadline: float) -> str:
+        k = self._blocked_at()
+        where = ("all of its messages are done; it is waiting for its last tasks"
+                 if k is None else
+                 f"it is blocked in {self.describe(k)} [instruction {k + 1} of "
+                 f"{self.num_instrs}]")
+        how = ("JAXPP_MPI_STEP_TIMEOUT" if self.options.step_timeout_s is not None
+               else "automatic; set JAXPP_MPI_STEP_TIMEOUT to change it")
+        return (f"jaxpp_mpi watchdog: step {self._step} has run for {elapsed:.1f} s, past "
+                f"its deadline of {deadline:.1f} s ({how}); on rank {self.rank} {where}.\n"
+                f"aborting the MPI job in {self.options.watchdog_grace_s:g} s\n")
+
+
+def _ready(x: Any) -> bool:
+    try:
+        return x.is_ready()
+    except Exception:  # noqa: BLE001 - a deleted/donated array is done with
+        return True
