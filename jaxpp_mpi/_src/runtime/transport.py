@@ -262,6 +262,14 @@ def chain_fn(ops: tuple[Op, ...], comm: Any) -> Any:
     return fn
 
 
+def quiesce() -> None:
+    """Waits until this process's dispatched MPI work is done: effectful computations
+    (`jax.effects_barrier`) and every live message `Chain`."""
+    jax.effects_barrier()
+    for c in list(_chains):
+        c.wait()
+
+
 @atexit.register
 def wait_for_chains() -> None:
     """Waits for every live `Chain` (runs at exit, before mpi4py finalizes MPI)."""
