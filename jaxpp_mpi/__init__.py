@@ -20,6 +20,7 @@ _EXPORTS = {
     "MpmdMesh": "mesh",
     "make_mpmd_mesh": "mesh",
     "collect_task_times_ms": "timing",
+    "PreemptionGuard": "preemption",
     "mark_stage_end": "primitives",
     "pipeline_enter_stage": "primitives",
     "ScheduleError": "schedule_check",
@@ -78,6 +79,7 @@ if TYPE_CHECKING:  # what static tools see; the same names as _EXPORTS
     from jaxpp_mpi._src.schedules import Std1F1B as Std1F1B
     from jaxpp_mpi._src.schedules import ZeroBubble as ZeroBubble
     from jaxpp_mpi._src.timing import collect_task_times_ms as collect_task_times_ms
+    from jaxpp_mpi._src.preemption import PreemptionGuard as PreemptionGuard
     from jaxpp_mpi._src.treduce import Add as Add
     from jaxpp_mpi._src.treduce import Concat as Concat
     from jaxpp_mpi._src.treduce import Max as Max

@@ -278,3 +278,10 @@ def wait_for_chains() -> None:
             c.wait()
         except Exception:  # noqa: BLE001 - a failed step already reported its error
             pass
+
+
+def allreduce_max_int(value: int, comm: MPI.Comm) -> int:
+    """The largest `value` over the ranks of `comm` (host-side, pickle-free)."""
+    out = np.zeros(1, np.int64)
+    comm.Allreduce(np.array([value], np.int64), out, op=MPI.MAX)
+    return int(out[0])
