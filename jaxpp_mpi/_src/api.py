@@ -228,8 +228,8 @@ class MpmdCompiled:
                 outs.append(mpmd_array_from_local(self.mesh, desc[1], sharding))
                 continue
             held = replicas[k]
-            outs.append(MpmdArray([held[g] for g in self._local_holders[k]], sharding,
-                                  shape=aval.shape, dtype=np.dtype(aval.dtype)))
+            outs.append(MpmdArray._trusted([held[g] for g in self._local_holders[k]],
+                                           sharding, aval.shape, np.dtype(aval.dtype)))
         return jax.tree.unflatten(plan.out_tree, outs)
 
 

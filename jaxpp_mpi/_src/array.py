@@ -185,6 +185,19 @@ class MpmdArray:
         self._dtype = want_dtype
         self._deleted = False
 
+    @classmethod
+    def _trusted(cls, arrays: list[jax.Array], mpmd_sharding: MpmdSharding,
+                 shape: tuple[int, ...], dtype: np.dtype) -> MpmdArray:
+        """An MpmdArray from replicas known to match (a compiled step's outputs, built
+        with exactly these shardings): skips the per-replica checks of `__init__`."""
+        self = cls.__new__(cls)
+        self._arrays = arrays
+        self._mpmd_sharding = mpmd_sharding
+        self._shape = shape
+        self._dtype = dtype
+        self._deleted = False
+        return self
+
     # -- placement ----------------------------------------------------------------
 
     @property

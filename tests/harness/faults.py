@@ -21,10 +21,17 @@ FAULT = sys.argv[1]
 RANK = MPI.COMM_WORLD.rank
 
 
+def stamp() -> None:
+    """For bench/faults.py: when the fault happens (seconds since the epoch)."""
+    if os.environ.get("JAXPP_MPI_FAULT_STAMP"):
+        print(f"fault at {time.time()}", flush=True)
+
+
 def on_rank_1_in_stage_1(x):
     """Runs inside stage 1's executable (a host callback), on every rank that runs it."""
     if RANK != 1:
         return
+    stamp()
     if FAULT == "stage-exception":
         raise FloatingPointError("deliberate NaN check failure in stage 1 on rank 1")
     if FAULT == "stall":
@@ -49,6 +56,7 @@ def main() -> None:
 
     def step(params, batch):
         if FAULT == "trace-exception" and RANK == 1:
+            stamp()
             raise ValueError("deliberate exception while tracing on rank 1")
         grad = partial(jax.value_and_grad(loss_fn), params)
         return jaxpp_mpi.treduce(grad, batch, schedule=jaxpp_mpi.Std1F1B(size))
