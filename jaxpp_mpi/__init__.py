@@ -21,8 +21,11 @@ _EXPORTS = {
     "make_mpmd_mesh": "mesh",
     "collect_task_times_ms": "timing",
     "PreemptionGuard": "preemption",
+    "mpmd_init": "mpmd_init",
     "mark_stage_end": "primitives",
     "pipeline_enter_stage": "primitives",
+    "mpmd_to_spmd_reshard": "reshard",
+    "spmd_to_mpmd_reshard": "reshard",
     "ScheduleError": "schedule_check",
     "CustomSchedule": "schedule_csv",
     "BaseSchedule": "schedules",
@@ -66,8 +69,12 @@ if TYPE_CHECKING:  # what static tools see; the same names as _EXPORTS
     from jaxpp_mpi._src.errors import CompileError as CompileError
     from jaxpp_mpi._src.mesh import MpmdMesh as MpmdMesh
     from jaxpp_mpi._src.mesh import make_mpmd_mesh as make_mpmd_mesh
+    from jaxpp_mpi._src.mpmd_init import mpmd_init as mpmd_init
+    from jaxpp_mpi._src.preemption import PreemptionGuard as PreemptionGuard
     from jaxpp_mpi._src.primitives import mark_stage_end as mark_stage_end
     from jaxpp_mpi._src.primitives import pipeline_enter_stage as pipeline_enter_stage
+    from jaxpp_mpi._src.reshard import mpmd_to_spmd_reshard as mpmd_to_spmd_reshard
+    from jaxpp_mpi._src.reshard import spmd_to_mpmd_reshard as spmd_to_mpmd_reshard
     from jaxpp_mpi._src.schedule_check import ScheduleError as ScheduleError
     from jaxpp_mpi._src.schedule_csv import CustomSchedule as CustomSchedule
     from jaxpp_mpi._src.schedules import BaseSchedule as BaseSchedule
@@ -79,7 +86,6 @@ if TYPE_CHECKING:  # what static tools see; the same names as _EXPORTS
     from jaxpp_mpi._src.schedules import Std1F1B as Std1F1B
     from jaxpp_mpi._src.schedules import ZeroBubble as ZeroBubble
     from jaxpp_mpi._src.timing import collect_task_times_ms as collect_task_times_ms
-    from jaxpp_mpi._src.preemption import PreemptionGuard as PreemptionGuard
     from jaxpp_mpi._src.treduce import Add as Add
     from jaxpp_mpi._src.treduce import Concat as Concat
     from jaxpp_mpi._src.treduce import Max as Max

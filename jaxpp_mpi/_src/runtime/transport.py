@@ -280,6 +280,32 @@ def wait_for_chains() -> None:
             pass
 
 
+def gather(x: jax.Array, root: int, comm: MPI.Comm) -> jax.Array:
+    """Gathers every rank's `x` (same shape/dtype everywhere) on `root` (traceable).
+
+    Returns:
+      On `root`, the values stacked along a new leading axis, `(comm.size, *x.shape)`;
+      on the other ranks `x` unchanged (callers usually drop it).
+    """
+    return _from_wire(mpi4jax.gather(_to_wire(x), root=root, comm=comm), x.dtype)
+
+
+def scatter(x: jax.Array, root: int, comm: MPI.Comm) -> jax.Array:
+    """Sends slice `i` of `root`'s `x` (shape `(comm.size, *shape)`) to rank `i`
+    (traceable); on the other ranks `x` (shape `shape`) gives only shape and dtype.
+
+    Returns:
+      This rank's slice, of shape `shape`.
+    """
+    return _from_wire(mpi4jax.scatter(_to_wire(x), root=root, comm=comm), x.dtype)
+
+
+def allgather_object(obj, comm: MPI.Comm) -> list:
+    """Host-side allgather of a small picklable Python value (metadata, never array
+    data): element `r` of the result is rank `r`'s `obj`. Blocking, not traceable."""
+    return comm.allgather(obj)
+
+
 def allreduce_max_int(value: int, comm: MPI.Comm) -> int:
     """The largest `value` over the ranks of `comm` (host-side, pickle-free)."""
     out = np.zeros(1, np.int64)
