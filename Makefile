@@ -31,8 +31,12 @@ test-mpi: $(PY)
 	XLA_FLAGS=--xla_force_host_platform_device_count=2 $(call MPI_PYTEST,2) \
 	  -k "shard or mismatch or (parity and (1f1b or interleaved))"
 
+# The example also writes the traced step (build/trace.json, open it in Perfetto), its
+# Gantt chart (build/trace.png) and the schedule's planned chart (build/schedule.png).
 example: $(PY)
-	$(JPPRUN) -n 4 python examples/train.py --schedule 1f1b --steps 10
+	$(JPPRUN) -n 4 python examples/train.py --schedule 1f1b --steps 10 --trace build/trace.json
+	$(PY) -m jaxpp_mpi.schedules --from-trace build/trace.json --png build/trace.png
+	$(PY) -m jaxpp_mpi.schedules Std1F1B --stages 4 --mubatches 8 --png build/schedule.png
 
 bench: $(PY)
 	$(JPPRUN) -n 2 python bench/p2p.py --out bench/results/p2p.json

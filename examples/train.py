@@ -3,21 +3,34 @@
     launch/jpprun -n 4 python examples/train.py --schedule 1f1b --steps 10
 
 Rank r runs group r: its stages' forward and backward tasks, in the order the schedule
-gives, exchanging activations and gradients over MPI. Rank 0 prints each step's mean
-loss and wall time; at the end every rank checks the losses against a single-process
-`jax.jit` run of the same step on the same data, and rank 0 prints the largest absolute
-difference. Without mpirun (one process) the groups are local devices instead.
+gives, exchanging activations and gradients over MPI. Rank 0 prints compilation progress
+and, per step, the mean loss, wall time, tokens/s and the bubble (idle share of the step)
+the schedule simulator predicts; at the end every rank checks the losses against a
+single-process `jax.jit` run of the same step on the same data, and rank 0 prints the
+largest absolute difference. Without mpirun (one process) the groups are local devices.
+
+`--trace out.json` records one step after the warm-up (timed task by task, so slower)
+and writes every rank's tasks and messages as a Chrome trace: open it in
+https://ui.perfetto.dev, or draw it with
+`python -m jaxpp_mpi.schedules --from-trace out.json --png out.png`.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import os
 import sys
 import time
 from functools import partial
 
-from jaxpp_mpi.schedules import SCHEDULE_NAMES, schedule_by_name  # no JAX import
+from jaxpp_mpi.schedules import (  # no JAX import
+    SCHEDULE_NAMES,
+    TaskType,
+    analyze_schedule,
+    schedule_by_name,
+)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -40,6 +53,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--groups", type=int, default=0,
                    help="MPMD groups in a single process (default: the MPI world size)")
     p.add_argument("--no-check", action="store_true", help="skip the jax.jit comparison")
+    p.add_argument("--trace", metavar="OUT.json",
+                   help="record the step after the warm-up step as a Chrome trace")
+    p.add_argument("--quiet", action="store_true",
+                   help="print only the check against jax.jit (and errors)")
     return p.parse_args(argv)
 
 
@@ -48,6 +65,26 @@ def _world_size() -> int:
         if var in os.environ:
             return int(os.environ[var])
     return 1
+
+
+def predicted_bubble(sched, num_microbatches: int, trace=None) -> float:
+    """The schedule simulator's mean bubble fraction: with unit task times (F=1, B=2,
+    I=W=1), or with the mean task times of a trace from `jaxpp_mpi.trace.export`."""
+    latencies = None
+    if trace is not None:
+        from jaxpp_mpi.trace import parse_label
+
+        times: dict[TaskType, list[float]] = {}
+        for ev in trace["traceEvents"]:
+            parts = parse_label(ev["name"]) if ev.get("cat") == "task" else ()
+            if len(parts) == 1 and parts[0].kind in "FBIW":
+                times.setdefault(TaskType(parts[0].kind), []).append(ev["dur"])
+        unit = {TaskType.FWD: 1.0, TaskType.BWD: 2.0, TaskType.BWD_I: 1.0, TaskType.BWD_W: 1.0}
+        mean = {k: sum(v) / len(v) for k, v in times.items()}
+        scale = sum(mean[k] / unit[k] for k in mean) / max(1, len(mean))  # for kinds unseen
+        latencies = {k: mean.get(k, unit[k] * scale) for k in unit} if mean else None
+    bubble = analyze_schedule(sched, num_microbatches, latencies).bubble_fraction
+    return sum(bubble) / len(bubble)
 
 
 def main(argv=None) -> int:
@@ -68,6 +105,7 @@ def main(argv=None) -> int:
     import optax
 
     import jaxpp_mpi
+    import jaxpp_mpi.trace
 
     if world == 1:
         groups = args.groups or 2
@@ -79,6 +117,12 @@ def main(argv=None) -> int:
         mesh = jaxpp_mpi.make_mpmd_mesh((world, args.data_axis, args.model_axis),
                                         ("stage", "data", "model"), "stage")
     rank = mesh.my_mpmd_axis_index or 0
+    verbose = rank == 0 and not args.quiet
+    if verbose:  # compilation progress (the jaxpp_mpi logger, INFO, rank 0 only)
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("  %(message)s"))
+        logging.getLogger("jaxpp_mpi").addHandler(handler)
+        logging.getLogger("jaxpp_mpi").setLevel(logging.INFO)
     sched = schedule_by_name(args.schedule, groups)
     stages = sched.num_stages
     layers = args.layers or stages
@@ -153,25 +197,42 @@ def main(argv=None) -> int:
     opt_state = optimizer.init(params)
 
     step = jaxpp_mpi.mpmd_jit_with_loop(train_step, mpmd_mesh=mesh, donate_argnums=(0, 1))
+    if verbose:
+        print(f"{args.schedule}: {stages} stages on {groups} groups of {per_group} device(s), "
+              f"{args.mubatches} microbatches", flush=True)
     t0 = time.perf_counter()
     compiled = step.compile(opt_state, params, batch)
-    if rank == 0:
-        print(f"{args.schedule}: {stages} stages on {groups} groups of {per_group} device(s), "
-              f"{args.mubatches} microbatches; compiled in {time.perf_counter() - t0:.1f} s",
+    bubble = predicted_bubble(sched, args.mubatches)
+    if verbose:
+        print(f"compiled in {time.perf_counter() - t0:.1f} s; bubble: the simulated idle "
+              "share (unit task times; after a --trace step, its task times)", flush=True)
+        print(f"{'step':>5}  {'loss':>8}  {'time ms':>9}  {'tokens/s':>10}  {'bubble':>6}",
               flush=True)
+    tokens = args.mubatches * args.mubatch_size * seq
+    traced = min(1, args.steps - 1) if args.trace else -1  # after one warm-up step
     losses = []
     state = (opt_state, params)
     for i in range(args.steps):
-        start = time.perf_counter()
-        opt_state_out, params_out, loss = compiled(*state, batch)
-        state = (opt_state_out, params_out)
-        value = float(np.asarray(loss)) if loss.is_partially_addressable else None
-        if not mesh.is_local:  # the loss lives on the last stage's rank
-            value = mesh.comm.bcast(value, root=min(loss.mpmd_idxs))
-        elapsed = time.perf_counter() - start
+        with jaxpp_mpi.trace.record() if i == traced else contextlib.nullcontext() as events:
+            start = time.perf_counter()
+            opt_state_out, params_out, loss = compiled(*state, batch)
+            state = (opt_state_out, params_out)
+            value = float(np.asarray(loss)) if loss.is_partially_addressable else None
+            if not mesh.is_local:  # the loss lives on the last stage's rank
+                value = mesh.comm.bcast(value, root=min(loss.mpmd_idxs))
+            elapsed = time.perf_counter() - start
         losses.append(value)
-        if rank == 0:
-            print(f"step {i:3d}  loss {value:.4f}  time {elapsed * 1e3:8.1f} ms", flush=True)
+        if verbose:
+            mark = " *traced (timed task by task: slower)" if i == traced else ""
+            print(f"{i:>5}  {value:>8.4f}  {elapsed * 1e3:>9.1f}  {tokens / elapsed:>10,.0f}  "
+                  f"{100 * bubble:>5.1f}%{mark}", flush=True)
+        if i == traced:
+            info = {"schedule": args.schedule, "num_microbatches": args.mubatches, "step": i}
+            trace = jaxpp_mpi.trace.export(args.trace, events, mesh, other_data=info)
+            if trace is not None:
+                bubble = predicted_bubble(sched, args.mubatches, trace)
+                if verbose:
+                    print(f"wrote {args.trace}", flush=True)
     if args.no_check or rank != 0:
         return 0
     # The reference: the same step in this one process, with no pipeline.

@@ -129,8 +129,8 @@ fi
 CUDA_PATH="$build_root" CUDA_ROOT="$build_root" \
   pip_install --no-build-isolation --no-cache-dir "$MPI4JAX_SPEC"
 
-# 4. jaxpp_mpi itself, editable, with test and example extras.
-pip_install --no-build-isolation -e ".[test,examples]"
+# 4. jaxpp_mpi itself, editable, with test, example and plot (matplotlib) extras.
+pip_install --no-build-isolation -e ".[test,examples,plot]"
 
 mpi_version=$("$py" -c 'from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0].strip().strip(chr(0)).strip())')
 {

@@ -14,6 +14,8 @@ Note: calling a compiled step.
 from __future__ import annotations
 
 import functools
+import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -27,6 +29,11 @@ from jaxpp_mpi._src.mesh import MpmdMesh
 from jaxpp_mpi._src.program import Aval, GroupProgram, Program
 
 __all__ = ["MpmdCompiled", "MpmdFunction", "mpmd_jit_with_loop"]
+
+# Progress of compilation, at INFO on rank 0 (local mode: the one process); quiet unless
+# the application enables it, e.g. logging.basicConfig(level=logging.INFO).
+logger = logging.getLogger("jaxpp_mpi")
+_REPORT_EVERY_S = 5.0
 
 
 def _is_spec_leaf(x: Any) -> bool:
@@ -140,17 +147,33 @@ class MpmdCompiled:
             self._auto_meshes[group] = mesh
         return mesh
 
+    def _compile_group(self, g: int, report: bool) -> dict[str, Any]:
+        """Compiles group `g`'s executables; logs progress when `report`."""
+        plan = self.plan
+        exes = plan.exes[g]
+        total = sum(len(e) for e in plan.exes)
+        if report:
+            logger.info("compiling %d executables for group %d (%d across %d groups)",
+                        len(exes), g, total, plan.num_groups)
+        start = last = time.perf_counter()
+        mine = {}
+        for k, (name, exe) in enumerate(exes.items(), 1):
+            ins, outs = plan.exe_avals[g][name]
+            mine[name] = compile_exe(exe, ins, outs, functools.partial(self.sharding, g))
+            now = time.perf_counter()
+            if report and k < len(exes) and now - last >= _REPORT_EVERY_S:
+                logger.info("group %d: %d/%d compiled, %.1f s", g, k, len(exes), now - start)
+                last = now
+        if report:
+            logger.info("group %d: %d/%d executables compiled in %.1f s", g, len(exes),
+                        len(exes), time.perf_counter() - start)
+        return mine
+
     def _make_executor(self):
         plan, mesh = self.plan, self.mesh
-        executables = []
-        for g in range(plan.num_groups):
-            mine = {}
-            if g in mesh.local_groups:
-                for name, exe in plan.exes[g].items():
-                    ins, outs = plan.exe_avals[g][name]
-                    mine[name] = compile_exe(exe, ins, outs,
-                                             functools.partial(self.sharding, g))
-            executables.append(mine)
+        report = mesh.is_local or mesh.my_mpmd_axis_index == 0
+        executables = [self._compile_group(g, report) if g in mesh.local_groups else {}
+                       for g in range(plan.num_groups)]
         if mesh.is_local:
             from jaxpp_mpi._src.runtime.local import LocalExecutor
 
@@ -289,8 +312,14 @@ class MpmdFunction:
             out_specs = [_spec_entries(s, "out_shardings")
                          for s in _per_leaf(self._out_shardings, out_tree, "out_shardings")]
         name = getattr(self.fun, "__name__", "the step")
+        start = time.perf_counter()
         plan = build_step(self.fun, abstract, self.mpmd_mesh.mpmd_dim, in_specs=in_specs,
                           out_specs=out_specs, donate=donate, what=f"{name}")
+        if self.mpmd_mesh.is_local or self.mpmd_mesh.my_mpmd_axis_index == 0:
+            logger.info("%s: traced, split and scheduled into %d groups' programs "
+                        "(%d instructions) in %.1f s", name, plan.num_groups,
+                        sum(len(g.instrs) for g in plan.program.groups),
+                        time.perf_counter() - start)
         compiled = MpmdCompiled(plan, self.mpmd_mesh, tree)
         self._cache[key] = compiled
         return compiled

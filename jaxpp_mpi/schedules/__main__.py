@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from collections.abc import Sequence
 
+from jaxpp_mpi._src import gantt
 from jaxpp_mpi._src.schedule_check import DEFAULT_LATENCIES, ScheduleAnalysis, analyze_schedule
 from jaxpp_mpi._src.schedule_csv import CustomSchedule, format_entry, schedule_to_csv
 from jaxpp_mpi._src.schedules import (
@@ -21,6 +23,7 @@ from jaxpp_mpi._src.schedules import (
     ZeroBubble,
     entry_tasks,
 )
+from jaxpp_mpi._src.trace import load as load_trace
 
 PROG = "python -m jaxpp_mpi.schedules"
 SCHEDULES: dict[str, type[BaseSchedule]] = {
@@ -46,9 +49,11 @@ def _parser() -> argparse.ArgumentParser:
         description="Show how a pipeline schedule runs: per-group timeline (idle time as dots), "
         "task order, makespan, bubble fraction and peak in-flight activations.",
         epilog=f"schedules: {', '.join(SCHEDULES)}. Example: {PROG} Std1F1B --stages 4 "
-        "--mubatches 8",
+        "--mubatches 8 --png schedule.png; measured: "
+        f"{PROG} --from-trace trace.json --png measured.png",
     )
-    p.add_argument("schedule", nargs="?", help="schedule name (omit with --from-csv)")
+    p.add_argument("schedule", nargs="?",
+                   help="schedule name (omit with --from-csv or --from-trace)")
     p.add_argument("--stages", type=int, help="number of pipeline stages")
     p.add_argument("--mubatches", type=int, help="number of microbatches")
     p.add_argument("--mpmd-dim", type=int, help="number of MPMD groups (interleaved, DualPipeV)")
@@ -59,6 +64,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--csv", metavar="OUT", help="also write the schedule as CSV to OUT")
     p.add_argument("--from-csv", metavar="IN", help="read a custom schedule from a CSV file")
+    p.add_argument("--png", metavar="OUT",
+                   help="also draw the timeline as a Gantt chart to OUT (needs matplotlib)")
+    p.add_argument("--from-trace", metavar="TRACE",
+                   help="draw a measured step instead: a Chrome trace written by "
+                   "jaxpp_mpi.trace.export (examples/train.py --trace); needs --png")
     p.add_argument(
         "--latency",
         default="",
@@ -210,10 +220,32 @@ def render(
     return "\n".join(lines)
 
 
+def _draw(chart: gantt.Chart, path: str) -> None:
+    gantt.draw_png(chart, path)
+    print(f"\nwrote {path} ({len(chart.tasks())} tasks on {len(chart.rows)} rows)")
+
+
+def _from_trace(args: argparse.Namespace) -> None:
+    """Draws a measured step: `--from-trace TRACE --png OUT`."""
+    if args.schedule or args.from_csv:
+        raise UsageError("give either a schedule or --from-trace, not both")
+    if not args.png:
+        raise UsageError("--from-trace draws a chart: give --png OUT")
+    trace = load_trace(args.from_trace)
+    chart = gantt.trace_chart(trace, title=f"measured: {os.path.basename(args.from_trace)}")
+    span = max((c.end for c in chart.cells), default=0.0)
+    print(f"{args.from_trace}: {len(chart.tasks())} tasks on {len(chart.rows)} tracks, "
+          f"{span:.3f} ms")
+    _draw(chart, args.png)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the command line; returns the exit status (2 on bad input)."""
     try:
         args = _parser().parse_args(argv)
+        if args.from_trace:
+            _from_trace(args)
+            return 0
         latencies = _parse_latencies(args.latency)
         if not args.comm_latency >= 0:
             raise UsageError(f"--comm-latency must be >= 0, got {args.comm_latency}")
@@ -228,7 +260,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.csv:
             schedule_to_csv(schedule, n, args.csv)
             print(f"\nwrote {args.csv}")
-    except (UsageError, ValueError, OSError) as e:
+        if args.png:
+            title = f"{schedule!r}, {n} microbatches (simulated)"
+            _draw(gantt.schedule_chart(analysis, latencies, title), args.png)
+    except (UsageError, ValueError, OSError, ImportError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
     return 0

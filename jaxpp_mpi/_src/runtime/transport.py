@@ -42,6 +42,7 @@ Note: message chains.
 from __future__ import annotations
 
 import atexit
+import time
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -133,6 +134,75 @@ def allgather(x: jax.Array, comm: MPI.Comm) -> jax.Array:
 def library_version() -> str:
     """The MPI library's name and version, one line."""
     return MPI.Get_library_version().splitlines()[0].strip().strip("\x00").strip()
+
+
+# ------------------------------------------------------------------ host-side helpers
+# Pickle-free: only bytes and int64 buffers cross the wire, so nothing received is ever
+# unpickled (DESIGN.md §7); used between steps, e.g. by jaxpp_mpi.trace.export.
+
+
+def gather_bytes(data: bytes, comm: MPI.Comm, root: int = 0) -> list[bytes] | None:
+    """Every rank's `data`, in rank order, at `root` (None on the other ranks)."""
+    sizes = np.zeros(comm.Get_size(), np.int64) if comm.Get_rank() == root else None
+    comm.Gather(np.array([len(data)], np.int64), sizes, root=root)
+    mine = np.frombuffer(data, np.uint8)
+    if sizes is None:
+        comm.Gatherv([mine, MPI.BYTE], None, root=root)
+        return None
+    displs = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    out = np.empty(int(sizes.sum()), np.uint8)
+    comm.Gatherv([mine, MPI.BYTE], [out, sizes.tolist(), displs.tolist(), MPI.BYTE], root=root)
+    return [out[d : d + n].tobytes() for d, n in zip(displs, sizes)]
+
+
+def bcast_bytes(data: bytes | None, comm: MPI.Comm, root: int = 0) -> bytes:
+    """`data` of `root` on every rank (other ranks pass None)."""
+    size = np.array([len(data) if comm.Get_rank() == root else 0], np.int64)
+    comm.Bcast(size, root=root)
+    buf = np.frombuffer(data, np.uint8).copy() if comm.Get_rank() == root else None
+    if buf is None:
+        buf = np.empty(int(size[0]), np.uint8)
+    comm.Bcast([buf, MPI.BYTE], root=root)
+    return buf.tobytes()
+
+
+def clock_offsets_ns(
+    comm: MPI.Comm, root: int = 0, rounds: int = 8, always: bool = False
+) -> list[int] | None:
+    """At `root`, per rank, the ns to add to its `time.time_ns()` to read root's clock.
+
+    Ranks on root's host share its clock (offset 0). For the others (every rank but root
+    with `always`) the offset comes from `rounds` ping-pongs with root: the rank's reply
+    time against the midpoint of the shortest round trip (Cristian's algorithm; error at
+    most half that round trip). Collective over `comm`; None on the other ranks.
+    """
+    rank = comm.Get_rank()
+    if always:  # the same on every rank, so every rank skips the bcast alike
+        remote = rank != root
+    else:
+        host = MPI.Get_processor_name().encode()
+        remote = bcast_bytes(host, comm, root) != host
+    flags = np.zeros(comm.Get_size(), np.int64) if rank == root else None
+    comm.Gather(np.array([int(remote)], np.int64), flags, root=root)
+    ping, pong = np.zeros(1, np.int64), np.zeros(1, np.int64)
+    if rank != root:
+        for k in range(rounds if remote else 0):
+            comm.Recv(ping, source=root, tag=k)
+            pong[0] = time.time_ns()
+            comm.Send(pong, dest=root, tag=k)
+        return None
+    offsets = [0] * comm.Get_size()
+    for r in np.flatnonzero(flags).tolist():
+        best = None
+        for k in range(rounds):
+            t0 = time.time_ns()
+            comm.Send(ping, dest=r, tag=k)
+            comm.Recv(pong, source=r, tag=k)
+            t1 = time.time_ns()
+            if best is None or t1 - t0 < best[0]:
+                best = (t1 - t0, (t0 + t1) // 2 - int(pong[0]))
+        offsets[r] = best[1]
+    return offsets
 
 
 # ----------------------------------------------------------------- message chains

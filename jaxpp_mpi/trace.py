@@ -1,0 +1,15 @@
+"""Pipeline timelines as Chrome-trace JSON: `record` a step, `export` every rank's events.
+
+Open the file in https://ui.perfetto.dev or chrome://tracing; draw it with
+`python -m jaxpp_mpi.schedules --from-trace FILE --png OUT.png`.
+"""
+
+from jaxpp_mpi._src.timing import TraceEvent as TraceEvent
+from jaxpp_mpi._src.trace import TaskPart as TaskPart
+from jaxpp_mpi._src.trace import chrome_trace as chrome_trace
+from jaxpp_mpi._src.trace import export as export
+from jaxpp_mpi._src.trace import load as load
+from jaxpp_mpi._src.trace import parse_label as parse_label
+from jaxpp_mpi._src.trace import record as record
+
+__all__ = ["TaskPart", "TraceEvent", "chrome_trace", "export", "load", "parse_label", "record"]
