@@ -47,7 +47,13 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
+# public submodules, imported on first attribute access too (`jaxpp_mpi.checkpoint.save`)
+_SUBMODULES = frozenset({"checkpoint", "launch", "schedules", "trace"})
+
+
 def __getattr__(name: str):
+    if name in _SUBMODULES:
+        return importlib.import_module(f"jaxpp_mpi.{name}")
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'jaxpp_mpi' has no attribute {name!r}")
