@@ -55,6 +55,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-check", action="store_true", help="skip the jax.jit comparison")
     p.add_argument("--trace", metavar="OUT.json",
                    help="record the step after the warm-up step as a Chrome trace")
+    p.add_argument("--ckpt-dir", metavar="DIR",
+                   help="resume from DIR/ckpt when it exists; on SIGTERM/SIGUSR1 (e.g. "
+                        "SLURM preemption) every rank stops after the same step, saves "
+                        "DIR/ckpt and exits 0, so re-running the same command resumes")
     p.add_argument("--quiet", action="store_true",
                    help="print only the check against jax.jit (and errors)")
     return p.parse_args(argv)
@@ -105,6 +109,7 @@ def main(argv=None) -> int:
     import optax
 
     import jaxpp_mpi
+    import jaxpp_mpi.checkpoint
     import jaxpp_mpi.trace
 
     if world == 1:
@@ -210,29 +215,56 @@ def main(argv=None) -> int:
               flush=True)
     tokens = args.mubatches * args.mubatch_size * seq
     traced = min(1, args.steps - 1) if args.trace else -1  # after one warm-up step
-    losses = []
+    losses: list = []
     state = (opt_state, params)
-    for i in range(args.steps):
-        with jaxpp_mpi.trace.record() if i == traced else contextlib.nullcontext() as events:
-            start = time.perf_counter()
-            opt_state_out, params_out, loss = compiled(*state, batch)
-            state = (opt_state_out, params_out)
-            value = float(np.asarray(loss)) if loss.is_partially_addressable else None
-            if not mesh.is_local:  # the loss lives on the last stage's rank
-                value = mesh.comm.bcast(value, root=min(loss.mpmd_idxs))
-            elapsed = time.perf_counter() - start
-        losses.append(value)
+    first = 0
+    ckpt = os.path.join(args.ckpt_dir, "ckpt") if args.ckpt_dir else None
+    if ckpt and os.path.exists(ckpt):
+        first = jaxpp_mpi.checkpoint.read_manifest(ckpt).step
+        like = {"opt_state": opt_state, "params": params, "losses": np.zeros(first)}
+        restored = jaxpp_mpi.checkpoint.restore(ckpt, like, shardings={
+            "opt_state": compiled.in_shardings[0], "params": compiled.in_shardings[1],
+            "losses": None})
+        state = (restored["opt_state"], restored["params"])
+        losses = [float(v) for v in np.asarray(restored["losses"])]
         if verbose:
-            mark = " *traced (timed task by task: slower)" if i == traced else ""
-            print(f"{i:>5}  {value:>8.4f}  {elapsed * 1e3:>9.1f}  {tokens / elapsed:>10,.0f}  "
-                  f"{100 * bubble:>5.1f}%{mark}", flush=True)
-        if i == traced:
-            info = {"schedule": args.schedule, "num_microbatches": args.mubatches, "step": i}
-            trace = jaxpp_mpi.trace.export(args.trace, events, mesh, other_data=info)
-            if trace is not None:
-                bubble = predicted_bubble(sched, args.mubatches, trace)
+            print(f"resumed from {ckpt} at step {first}", flush=True)
+
+    def save(step_count: int) -> None:
+        tree = {"opt_state": state[0], "params": state[1], "losses": np.array(losses)}
+        jaxpp_mpi.checkpoint.save(ckpt, tree, step=step_count, overwrite=True)
+
+    with jaxpp_mpi.PreemptionGuard(mesh) as guard:
+        for i in range(first, args.steps):
+            with jaxpp_mpi.trace.record() if i == traced else contextlib.nullcontext() as events:
+                start = time.perf_counter()
+                opt_state_out, params_out, loss = compiled(*state, batch)
+                state = (opt_state_out, params_out)
+                value = float(np.asarray(loss)) if loss.is_partially_addressable else None
+                if not mesh.is_local:  # the loss lives on the last stage's rank
+                    value = mesh.comm.bcast(value, root=min(loss.mpmd_idxs))
+                elapsed = time.perf_counter() - start
+            losses.append(value)
+            if verbose:
+                mark = " *traced (timed task by task: slower)" if i == traced else ""
+                print(f"{i:>5}  {value:>8.4f}  {elapsed * 1e3:>9.1f}  {tokens / elapsed:>10,.0f}  "
+                      f"{100 * bubble:>5.1f}%{mark}", flush=True)
+            if i == traced:
+                info = {"schedule": args.schedule, "num_microbatches": args.mubatches, "step": i}
+                trace = jaxpp_mpi.trace.export(args.trace, events, mesh, other_data=info)
+                if trace is not None:
+                    bubble = predicted_bubble(sched, args.mubatches, trace)
+                    if verbose:
+                        print(f"wrote {args.trace}", flush=True)
+            if ckpt and guard.should_stop():
+                save(i + 1)
                 if verbose:
-                    print(f"wrote {args.trace}", flush=True)
+                    why = guard.received.name if guard.received else "a peer's signal"
+                    print(f"stopping after step {i} on {why}; saved {ckpt}; run the same "
+                          "command to resume", flush=True)
+                return 0
+    if ckpt:
+        save(args.steps)
     if args.no_check or rank != 0:
         return 0
     # The reference: the same step in this one process, with no pipeline.

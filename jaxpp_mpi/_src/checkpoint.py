@@ -214,7 +214,12 @@ def restore(
     if shardings is None:
         targets = [x.mpmd_sharding if isinstance(x, MpmdArray) else None for x in leaves]
     else:
-        targets = treedef.flatten_up_to(shardings)
+        try:
+            targets = treedef.flatten_up_to(shardings)
+        except (ValueError, TypeError) as e:
+            raise CheckpointError(
+                f"shardings must have the structure of `like` (None for leaves placed as "
+                f"in `like`): {e}") from None
         bad = [t for t in targets if t is not None and not isinstance(t, MpmdSharding)]
         if bad:
             raise CheckpointError(f"shardings leaves must be MpmdSharding or None, got {bad[0]!r}")
