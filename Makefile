@@ -15,7 +15,7 @@ PYTEST_ARGS ?=
 MPI_PYTEST   = timeout -k 10 $(MPI_TIMEOUT) $(JPPRUN) -n $(1) python -m pytest tests/mpi \
                --with-mpi -p no:cacheprovider --timeout=300 --color=no -q $(PYTEST_ARGS)
 
-.PHONY: install test test-unit test-mpi example bench lint clean
+.PHONY: install test test-unit test-mpi test-slurm example bench lint clean
 
 install:
 	bash tools/install.sh
@@ -30,6 +30,11 @@ test-mpi: $(PY)
 	$(call MPI_PYTEST,4)
 	XLA_FLAGS=--xla_force_host_platform_device_count=2 $(call MPI_PYTEST,2) \
 	  -k "shard or mismatch or (parity and (1f1b or interleaved))"
+
+# launch/slurm/train.sbatch for real on a single-node SLURM installed and started here
+# (root, Debian/apt; ~2-4 min); not part of `test`. See tests/slurm/run_single_node_slurm.sh.
+test-slurm: $(PY)
+	bash tests/slurm/run_single_node_slurm.sh
 
 # The example also writes the traced step (build/trace.json, open it in Perfetto), its
 # Gantt chart (build/trace.png) and the schedule's planned chart (build/schedule.png).

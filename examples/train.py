@@ -65,10 +65,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def _world_size() -> int:
-    for var in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
-        if var in os.environ:
-            return int(os.environ[var])
-    return 1
+    """The MPI job's size from the launcher's environment, before JAX or MPI start."""
+    from jaxpp_mpi.launch import launcher_world_size
+
+    return launcher_world_size(os.environ)
 
 
 def predicted_bubble(sched, num_microbatches: int, trace=None) -> float:

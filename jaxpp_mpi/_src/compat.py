@@ -20,7 +20,7 @@ from jax.extend import core as jex_core
 from jax.extend import linear_util as lu
 from jax.interpreters import partial_eval as pe
 
-__all__ = ["trace_closure_converted"]
+__all__ = ["jax_backends_initialized", "trace_closure_converted"]
 
 
 def trace_closure_converted(
@@ -64,3 +64,16 @@ def trace_closure_converted(
         debug_info=jaxpr.debug_info._replace(arg_names=arg_names),
     )
     return jex_core.ClosedJaxpr(lifted, ()), list(consts)
+
+
+def jax_backends_initialized() -> bool:
+    """Whether JAX has created its backends (after which device settings are fixed).
+
+    Why `jax._src.xla_bridge`: `backends_are_initialized` is the only way to ask without
+    creating the backends; every public device query (`jax.devices()`,
+    `jax.extend.backend.get_backend()`) initialises them as a side effect, which would
+    defeat `jaxpp_mpi.launch.bind_local_devices`, the caller that needs the answer.
+    """
+    from jax._src import xla_bridge
+
+    return xla_bridge.backends_are_initialized()

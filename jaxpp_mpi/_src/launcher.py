@@ -16,6 +16,14 @@ Note: Launcher settings.
   - The thread settings reach every rank through the environment (`XLA_FLAGS`,
     `OMP_NUM_THREADS`, `JAXPP_MPI_THREADS_PER_RANK`), exported with `-x` under Open MPI
     and `-genv` under MPICH/Hydra.
+  - GPUs (`--gpus-per-rank K`, or by default the visible GPUs shared evenly when there are
+    at least as many as ranks; with fewer, a note and no GPU binding, so a CPU test run
+    on a one-GPU machine still starts): mpirun cannot give each rank different environment
+    values, so every rank starts through `python -m jaxpp_mpi.launch --gpus-per-rank K --`,
+    which reads its local rank and sets `CUDA_VISIBLE_DEVICES` to its K GPUs before
+    exec'ing the program (Note: Device binding in bind.py). `JAXPP_MPI_GPUS_PER_RANK` is
+    exported too, so a script's own `bind_local_devices()` agrees. `--gpus-per-rank 0`,
+    `JAX_PLATFORMS=cpu` or no visible GPU: CPU only, no wrapper.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ import sys
 from collections.abc import Mapping, Sequence
 
 _THREADS_ENV = "JAXPP_MPI_THREADS_PER_RANK"
+_GPUS_ENV = "JAXPP_MPI_GPUS_PER_RANK"
 _SINGLE_THREAD_XLA = "--xla_cpu_multi_thread_eigen=false"
 
 
@@ -40,6 +49,7 @@ class LaunchPlan:
     argv: tuple[str, ...]
     env: tuple[tuple[str, str], ...]
     vendor: str
+    notes: tuple[str, ...] = ()
 
     def command_line(self) -> str:
         """The command as a shell line, environment first (what `--dry-run` prints)."""
@@ -93,11 +103,47 @@ def thread_env(threads: int, base_env: Mapping[str, str]) -> dict[str, str]:
     return env
 
 
+def gpus_for_ranks(
+    num_ranks: int, gpus_per_rank: int | None, visible_gpus: int, base_env: Mapping[str, str]
+) -> tuple[int, str | None]:
+    """GPUs each rank gets: the given count, else the visible GPUs shared evenly (0: CPU).
+
+    Args:
+      num_ranks: ranks on this machine.
+      gpus_per_rank: `--gpus-per-rank`, or None to decide from what is visible.
+      visible_gpus: GPUs this process may use (CUDA_VISIBLE_DEVICES, else the node's).
+      base_env: the environment (`JAX_PLATFORMS=cpu` means no GPU).
+
+    Returns:
+      GPUs per rank (0 for a CPU-only run), and a note for the user when GPUs are visible
+      but not bound.
+
+    Raises:
+      ValueError: when the GPUs asked for do not go round the ranks.
+    """
+    if gpus_per_rank is None:
+        if visible_gpus == 0 or base_env.get("JAX_PLATFORMS", "").strip().lower() == "cpu":
+            return 0, None
+        if visible_gpus < num_ranks:
+            return 0, (f"{visible_gpus} GPU(s) for {num_ranks} ranks: GPUs not bound "
+                       "(--gpus-per-rank K to bind, 0 to silence this)")
+        return visible_gpus // num_ranks, None
+    if gpus_per_rank < 0:
+        raise ValueError(f"jpprun: --gpus-per-rank must be >= 0, got {gpus_per_rank}")
+    if num_ranks * gpus_per_rank > visible_gpus:
+        raise ValueError(f"jpprun: {num_ranks} ranks x {gpus_per_rank} GPU(s) need "
+                         f"{num_ranks * gpus_per_rank} GPUs, {visible_gpus} visible")
+    return gpus_per_rank, None
+
+
 def build_plan(
     num_ranks: int,
     command: Sequence[str],
     *,
     threads_per_rank: int = 1,
+    gpus_per_rank: int | None = 0,
+    visible_gpus: int = 0,
+    python: str = "python3",
     mpirun: str,
     vendor: str,
     cores: int,
@@ -111,6 +157,9 @@ def build_plan(
       num_ranks: MPI ranks to start (one per pipeline group).
       command: the program and its arguments, e.g. ("python", "train.py").
       threads_per_rank: compute threads per rank (see Note: Launcher settings).
+      gpus_per_rank: GPUs per rank; None decides from `visible_gpus` (`gpus_for_ranks`).
+      visible_gpus: GPUs this process may use.
+      python: the interpreter that runs the per-rank GPU binding wrapper.
       mpirun: path of the MPI launcher.
       vendor: 'openmpi', 'mpich' or 'unknown' (see `detect_vendor`).
       cores: usable cores on this machine.
@@ -122,7 +171,8 @@ def build_plan(
       The LaunchPlan.
 
     Raises:
-      ValueError: on a non-positive rank or thread count, or an empty command.
+      ValueError: on a non-positive rank or thread count, an empty command, or GPUs that
+        do not go round the ranks.
     """
     if num_ranks < 1:
         raise ValueError(f"jpprun: -n must be >= 1, got {num_ranks}")
@@ -131,6 +181,11 @@ def build_plan(
     if not command:
         raise ValueError("jpprun: no program given (e.g. `jpprun -n 2 python train.py`)")
     env = thread_env(threads_per_rank, base_env)
+    gpus, note = gpus_for_ranks(num_ranks, gpus_per_rank, visible_gpus, base_env)
+    if gpus:
+        env[_GPUS_ENV] = str(gpus)
+        command = [python, "-m", "jaxpp_mpi.launch", "--gpus-per-rank", str(gpus), "--",
+                   *command]
     oversubscribed = num_ranks * threads_per_rank > cores
     argv: list[str] = [mpirun, "-n", str(num_ranks)]
     if vendor == "openmpi":
@@ -149,7 +204,8 @@ def build_plan(
             argv += ["-genv", key, value]
     argv += list(extra_mpi_args)
     argv += list(command)
-    return LaunchPlan(argv=tuple(argv), env=tuple(sorted(env.items())), vendor=vendor)
+    return LaunchPlan(argv=tuple(argv), env=tuple(sorted(env.items())), vendor=vendor,
+                      notes=(note,) if note else ())
 
 
 _PY_FLAGS_WITH_VALUE = ("-X", "-W", "-Q")
@@ -185,7 +241,8 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="jpprun",
         description="Start a jaxpp_mpi program under MPI, one pipeline group per rank.",
-        usage="jpprun -n N [--threads-per-rank T] [--dry-run] [--mpi-arg ARG]... PROGRAM [ARGS...]",
+        usage="jpprun -n N [--gpus-per-rank K] [--threads-per-rank T] [--dry-run] "
+              "[--mpi-arg ARG]... PROGRAM [ARGS...]",
     )
     parser.add_argument("-n", "--np", dest="num_ranks", type=int, required=True)
     parser.add_argument(
@@ -193,6 +250,13 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
         type=int,
         default=int(os.environ.get(_THREADS_ENV, "1")),
         help=f"compute threads per rank (default 1, or ${_THREADS_ENV})",
+    )
+    parser.add_argument(
+        "--gpus-per-rank",
+        type=int,
+        default=int(os.environ[_GPUS_ENV]) if _GPUS_ENV in os.environ else None,
+        help="GPUs per rank, bound by local rank (default: the visible GPUs shared "
+             f"evenly, or ${_GPUS_ENV}; 0: CPU only)",
     )
     parser.add_argument("--mpirun", default=None, help="MPI launcher (default: the venv's)")
     parser.add_argument("--mpi-arg", action="append", default=[], help="extra mpirun argument")
@@ -209,11 +273,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         command = command[1:]
     command = with_abort_on_error(command, sys.executable)  # the venv's Python on every rank
     mpirun = args.mpirun or find_mpirun()
+    from jaxpp_mpi._src import bind  # stdlib only; imported here as it imports us
+
     try:
         plan = build_plan(
             args.num_ranks,
             command,
             threads_per_rank=args.threads_per_rank,
+            gpus_per_rank=args.gpus_per_rank,
+            visible_gpus=len(bind.visible_gpus(os.environ, bind.count_node_gpus())),
+            python=sys.executable,
             mpirun=mpirun,
             vendor=detect_vendor(mpirun),
             cores=usable_cores(),
@@ -224,6 +293,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         print(e, file=sys.stderr)
         return 2
+    for note in plan.notes:
+        print(f"jpprun: note: {note}", file=sys.stderr)
     print(f"jpprun: {plan.command_line()}", file=sys.stderr, flush=True)
     if args.dry_run:
         return 0

@@ -35,13 +35,9 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 
 from jaxpp_mpi._src import config
+from jaxpp_mpi._src.bind import launcher_world_size
 
 __all__ = ["MpmdMesh", "make_mpmd_mesh"]
-
-# Environment variables in which MPI launchers publish the job's size (Open MPI; MPICH,
-# Intel MPI and Slurm's PMI). Read only when mpi4py has not been imported yet.
-_LAUNCHER_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
-
 
 class Comm(Protocol):
     """What an `MpmdMesh` needs of a communicator (an `mpi4py.MPI.Comm` has it)."""
@@ -60,11 +56,8 @@ def _mpi_world_size() -> int:
     mpi = sys.modules.get("mpi4py.MPI")
     if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
         return int(mpi.COMM_WORLD.Get_size())
-    for var in _LAUNCHER_SIZE_VARS:
-        value = os.environ.get(var, "")
-        if value.isdigit():
-            return int(value)
-    return 1
+    # The launcher's environment (mpirun, mpiexec, srun; see bind.launcher_world_size).
+    return launcher_world_size(os.environ)
 
 
 def _default_comm() -> Comm:
@@ -175,10 +168,11 @@ class MpmdMesh:
             )
         if comm is None:
             comm = _default_comm()
-        if config.options().abort_on_exception:
+        abort = getattr(comm, "Abort", None)  # stand-in communicators of tests have none
+        if config.options().abort_on_exception and abort and comm.Get_size() > 1:
             from jaxpp_mpi._src.runtime.failure import install_abort_on_exception
 
-            install_abort_on_exception(int(comm.Get_rank()), comm.Abort)
+            install_abort_on_exception(int(comm.Get_rank()), abort)
         self._is_local = False
         self._comm = comm
         self._mpmd_dim = int(comm.Get_size())
@@ -391,10 +385,10 @@ def make_mpmd_mesh(
 
     Raises:
       ValueError: malformed shape or names; the MPMD axis size differs from the number
-        of ranks; a rank's device count differs from one group's size. The first two
-        depend only on arguments and the job size, so they are raised on every rank
-        alike; the last depends on each rank's devices (under `python -m mpi4py`, as
-        jpprun runs programs, an error on one rank aborts the whole job).
+        of ranks; a rank's device count differs from one group's size. All are raised
+        on every rank alike: the first two depend only on arguments and the job size,
+        and the device counts are allgathered over `comm` (in MPI mode this function
+        is collective, like the `Dup` of the default communicator).
     """
     shape = tuple(int(s) for s in axis_shapes)
     names = tuple(axis_names)
@@ -434,11 +428,20 @@ def make_mpmd_mesh(
             f"(launch/jpprun -n {num_groups})."
         )
     local = list(jax.local_devices() if devices is None else devices)
-    if len(local) != group_devices:
+    if comm is None:
+        comm = _default_comm()
+    # Every rank learns every rank's device count, so a wrong count on one rank raises
+    # on all of them (a communicator without allgather, e.g. a test double: this rank).
+    gather = getattr(comm, "allgather", None)
+    counts = list(gather(len(local))) if gather is not None else [len(local)]
+    wrong = [r for r, c in enumerate(counts) if c != group_devices]
+    if wrong:
         group = ", ".join(f"{n!r}: {s}" for n, s in zip(names, shape) if n != mpmd_axis_name)
+        which = "" if len(wrong) == len(counts) else (
+            f" (rank(s) {wrong} have {[counts[r] for r in wrong]})")
         raise ValueError(
             f"each rank needs {group_devices} devices (group {{{group}}}), this rank has "
-            f"{len(local)}: set XLA_FLAGS=--xla_force_host_platform_device_count="
+            f"{len(local)}{which}: set XLA_FLAGS=--xla_force_host_platform_device_count="
             f"{group_devices} on CPU, or CUDA_VISIBLE_DEVICES to {group_devices} GPUs per "
             "rank, or pass devices= explicitly."
         )

@@ -78,3 +78,37 @@ def test_dry_run_prints_and_runs_nothing(capsys):
     assert rc == 0
     err = capsys.readouterr().err
     assert "jpprun:" in err and "-m mpi4py t.py" in err
+
+
+def test_gpus_bound_by_local_rank_through_the_wrapper():
+    plan = _plan(2, gpus_per_rank=2, visible_gpus=4, python="/v/bin/python")
+    i = plan.argv.index("jaxpp_mpi.launch")
+    assert plan.argv[i - 2:] == (
+        "/v/bin/python", "-m", "jaxpp_mpi.launch", "--gpus-per-rank", "2", "--",
+        "python", "t.py")
+    assert dict(plan.env)["JAXPP_MPI_GPUS_PER_RANK"] == "2"
+    assert ("-x", "JAXPP_MPI_GPUS_PER_RANK") in zip(plan.argv, plan.argv[1:])
+    argv = _plan(2, gpus_per_rank=1, visible_gpus=2, vendor="mpich").argv
+    assert ("-genv", "JAXPP_MPI_GPUS_PER_RANK", "1") in zip(argv, argv[1:], argv[2:])
+
+
+@pytest.mark.parametrize("gpus_per_rank, visible, env, expected, note", [
+    (None, 8, {}, 4, False),                     # default: the visible GPUs shared evenly
+    (None, 0, {}, 0, False),                     # no GPU: CPU
+    (None, 8, {"JAX_PLATFORMS": "cpu"}, 0, False),
+    (None, 1, {}, 0, True),                      # fewer GPUs than ranks: CPU, with a note
+    (0, 8, {}, 0, False),                        # --gpus-per-rank 0: CPU
+    (3, 8, {}, 3, False),
+])
+def test_gpus_per_rank_decision(gpus_per_rank, visible, env, expected, note):
+    plan = _plan(2, gpus_per_rank=gpus_per_rank, visible_gpus=visible, base_env=env)
+    wrapped = "jaxpp_mpi.launch" in plan.argv
+    assert wrapped == (expected > 0) and bool(plan.notes) == note
+    assert dict(plan.env).get("JAXPP_MPI_GPUS_PER_RANK") == (str(expected) if expected else None)
+
+
+def test_too_many_gpus_asked_for():
+    with pytest.raises(ValueError, match="need 8 GPUs, 4 visible"):
+        _plan(2, gpus_per_rank=4, visible_gpus=4)
+    with pytest.raises(ValueError, match="--gpus-per-rank must be >= 0"):
+        _plan(2, gpus_per_rank=-1, visible_gpus=4)

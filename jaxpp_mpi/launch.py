@@ -1,0 +1,29 @@
+"""Device binding for scripts started by any MPI launcher (mpirun, srun, mpiexec.hydra).
+
+    import jaxpp_mpi.launch
+    jaxpp_mpi.launch.bind_local_devices()   # before JAX creates its backends
+    import jax
+
+or, without touching the script, on every rank:
+`srun python -m jaxpp_mpi.launch --gpus-per-rank 1 -- python train.py`.
+Importing this module does not import JAX.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from jaxpp_mpi._src.bind import BindError as BindError
+from jaxpp_mpi._src.bind import Binding as Binding
+from jaxpp_mpi._src.bind import LocalRank as LocalRank
+from jaxpp_mpi._src.bind import bind_local_devices as bind_local_devices
+from jaxpp_mpi._src.bind import detect_local_rank as detect_local_rank
+from jaxpp_mpi._src.bind import launcher_world_size as launcher_world_size
+from jaxpp_mpi._src.bind import main as _main
+from jaxpp_mpi._src.bind import plan_binding as plan_binding
+
+__all__ = ["BindError", "Binding", "LocalRank", "bind_local_devices", "detect_local_rank",
+           "launcher_world_size", "plan_binding"]
+
+if __name__ == "__main__":
+    sys.exit(_main())
