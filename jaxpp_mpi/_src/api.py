@@ -9,22 +9,43 @@ Note: calling a compiled step.
   at compile time), runs the executor and wraps every result as an `MpmdArray` on the
   groups that hold it. Results feed the next step with no transfer: each updated
   parameter is produced on the group that owns the parameter.
+
+Note: rejecting input on every rank.
+  In MPI mode an error that only some ranks see would leave the others waiting for
+  messages that never come. So `MpmdFunction.compile` (on a cache miss) makes each
+  decision collectively, before the first message (DESIGN.md §7):
+  1. before tracing, one allgather of (this rank's argument error, a digest of the
+     argument signature, the group mesh shape): any error, different signatures or
+     different group meshes raise on every rank, naming the first differing leaf;
+  2. after tracing, splitting and scheduling, one allgather of the error each rank met
+     (if any): every rank raises when any rank failed;
+  3. `agree_on_program`: one allgather of the program hash;
+  4. after compiling this rank's executables, one allgather of the errors again: the
+     barrier before the first message.
+  When every rank failed, each raises its own error; when only some did, every rank
+  raises a `CompileError` naming the failed ranks and the first one's error (chained
+  from its own, where it has one). The cache lookup itself is not collective: ranks
+  must change a step's signature together, as they do when they run the same script.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from jaxpp_mpi._src.array import MpmdArray, MpmdSharding, mpmd_array_from_local
 from jaxpp_mpi._src.compiler.build import StepPlan, build_step, compile_exe
+from jaxpp_mpi._src.errors import CompileError
 from jaxpp_mpi._src.mesh import MpmdMesh
 from jaxpp_mpi._src.program import Aval, GroupProgram, Program
 
@@ -71,13 +92,80 @@ def _spec_entries(spec: Any, what: str) -> tuple | None:
 
 
 def _abstract(x: Any) -> jax.ShapeDtypeStruct:
+    """The shape, dtype and weak type of one argument leaf.
+
+    Raises:
+      TypeError: `x` is neither an array nor a number (a str, an arbitrary object, a
+        numpy array of strings or objects), or is a typed PRNG key array. The message
+        says what `x` is; `MpmdFunction._signature` prefixes the leaf's path.
+    """
     if isinstance(x, (MpmdArray, jax.Array, jax.ShapeDtypeStruct)):
         weak = getattr(x, "weak_type", False)
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=weak)
-    weak = isinstance(x, (bool, int, float, complex))
-    arr = np.asarray(x)
-    dtype = jax.dtypes.canonicalize_dtype(arr.dtype)
-    return jax.ShapeDtypeStruct(arr.shape, dtype, weak_type=weak)
+        out = jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=weak)
+    elif isinstance(x, (np.ndarray, np.generic, bool, int, float, complex)):
+        arr = np.asarray(x)
+        if arr.dtype != np.bool_ and not jnp.issubdtype(arr.dtype, np.number):
+            raise TypeError(f"is a numpy value of dtype {arr.dtype}, not a number or an "
+                            f"array of numbers{_NON_ARRAY_HINT}")
+        weak = isinstance(x, (bool, int, float, complex))
+        out = jax.ShapeDtypeStruct(arr.shape, jax.dtypes.canonicalize_dtype(arr.dtype),
+                                   weak_type=weak)
+    else:
+        what = (f"a str ({x!r:.40})" if isinstance(x, str)
+                else f"an object of type {type(x).__qualname__}")
+        raise TypeError(f"is {what}, not an array{_NON_ARRAY_HINT}")
+    if not isinstance(out.dtype, np.dtype) and jax.dtypes.issubdtype(
+            out.dtype, jax.dtypes.extended):
+        raise TypeError(
+            f"is a typed PRNG key array (dtype {out.dtype}); jaxpp_mpi places and sends "
+            "plain arrays only: pass jax.random.key_data(key) and rebuild the key inside "
+            "the step with jax.random.wrap_key_data"
+        )
+    return out
+
+
+_NON_ARRAY_HINT = (
+    ": mpmd_jit_with_loop traces every argument leaf as an array, as jax.jit does; pass "
+    "strings, flags and other Python values by closing over them (e.g. "
+    "functools.partial(step, flag=...)), not as arguments"
+)
+
+
+def _paths(tree: Any) -> list[str]:
+    """`args[0]['w']`-style names of the leaves of `tree` (an argument tuple)."""
+    return ["args" + jax.tree_util.keystr(p)
+            for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def _check_layout(spec: tuple | None, shape: tuple[int, ...], group_shape: dict[str, int],
+                  where: str, mpmd_axis: str) -> None:
+    """Raises ValueError unless `spec` can lay out a value of `shape` on a group mesh of
+    `group_shape`: known axes, at most one entry per dimension, dimensions divisible."""
+    if not spec:
+        return
+    shown = PartitionSpec(*spec)
+    if len(spec) > len(shape):
+        raise ValueError(f"{where} has shape {shape}, but its spec {shown} has {len(spec)} "
+                         "entries: give at most one entry per dimension")
+    for dim, entry in enumerate(spec):
+        if entry is None or entry is PartitionSpec.UNCONSTRAINED:
+            continue
+        axes = entry if isinstance(entry, tuple) else (entry,)
+        unknown = [a for a in axes if a not in group_shape]
+        if unknown:
+            hint = (f"{mpmd_axis!r} is the MPMD axis, which separates the groups; "
+                    if mpmd_axis in unknown else "")
+            raise ValueError(f"{where}: spec {shown} names {unknown}, not axes of the group "
+                             f"mesh {group_shape}: {hint}name only the group axes "
+                             f"{tuple(group_shape)}")
+        ways = math.prod(group_shape[a] for a in axes)
+        if shape[dim] % ways:
+            raise ValueError(
+                f"{where} has shape {shape}; its spec {shown} splits dimension {dim} (size "
+                f"{shape[dim]}) {ways} ways over {axes} of the group mesh {group_shape}, "
+                f"which does not divide it: make that dimension a multiple of {ways} (e.g. "
+                "the rows of every microbatch), or leave it unsplit (None) in the spec"
+            )
 
 
 class MpmdCompiled:
@@ -178,15 +266,12 @@ class MpmdCompiled:
             from jaxpp_mpi._src.runtime.local import LocalExecutor
 
             return LocalExecutor(plan.program, executables, self.sharding)
-        from jaxpp_mpi._src.runtime.mpi import MpiExecutor, agree_on_program
+        from jaxpp_mpi._src.runtime.mpi import MpiExecutor
 
         g = mesh.my_mpmd_axis_index
-        executor = MpiExecutor(plan.program, g, executables[g],
-                               functools.partial(self.sharding, g), mesh.comm)
-        # Everything is compiled: one allgather of the program hash is the barrier
-        # before this rank's first message (DESIGN.md §7).
-        agree_on_program(plan.program, mesh.comm)
-        return executor
+        # No message yet: `MpmdFunction.compile` agrees with the other ranks first.
+        return MpiExecutor(plan.program, g, executables[g],
+                           functools.partial(self.sharding, g), mesh.comm)
 
     def _fixed_inputs(self) -> list[Any]:
         """Constants and microbatch indexes, placed once on the groups that use them."""
@@ -213,7 +298,7 @@ class MpmdCompiled:
             return next(iter(local.values()))  # local mode: another group's replica
         return x
 
-    def _check_args(self, leaves: list) -> None:
+    def _check_args(self, leaves: list, args: tuple) -> None:
         """Raises, on every rank alike, for an MpmdArray held away from its owner group.
 
         In local mode the executor copies such an array; in MPI mode only its holders
@@ -226,7 +311,8 @@ class MpmdCompiled:
             owner = self.plan.input_owner[n_consts + j]
             if isinstance(x, MpmdArray) and owner is not None and owner not in x.mpmd_idxs:
                 raise ValueError(
-                    f"argument leaf {j} is an MpmdArray held by groups {sorted(x.mpmd_idxs)}, "
+                    f"argument {_paths(args)[j]} is an MpmdArray held by groups "
+                    f"{sorted(x.mpmd_idxs)}, "
                     f"but this step reads it on group {owner}: pass the array this step's "
                     f"in_shardings place there (compiled.in_shardings), or a plain array "
                     "present on every rank"
@@ -237,7 +323,7 @@ class MpmdCompiled:
         leaves, tree = jax.tree.flatten(args)
         if tree != self._in_tree:
             raise ValueError(f"arguments have structure {tree}, compiled for {self._in_tree}")
-        self._check_args(leaves)
+        self._check_args(leaves, args)
         plan = self.plan
         n_consts = len(plan.consts)
         inputs = list(self._fixed)
@@ -254,6 +340,39 @@ class MpmdCompiled:
             outs.append(MpmdArray._trusted([held[g] for g in self._local_holders[k]],
                                            sharding, aval.shape, np.dtype(aval.dtype)))
         return jax.tree.unflatten(plan.out_tree, outs)
+
+
+def _describe(error: BaseException | None) -> str | None:
+    return None if error is None else f"{type(error).__name__}: {error}"
+
+
+def _allgather(mesh: MpmdMesh, obj: Any) -> list[Any]:
+    from jaxpp_mpi._src.runtime import transport  # the only module importing mpi4py
+
+    return transport.allgather_object(obj, mesh.comm)
+
+
+def _raise_gathered(name: str, messages: list[str | None], error: Exception | None,
+                    when: str) -> None:
+    """Raises on every rank if any rank's message is set (`Note: rejecting input on
+    every rank`); `error` is this rank's own error (None if it had none)."""
+    failed = [r for r, m in enumerate(messages) if m is not None]
+    if not failed:
+        return
+    if error is not None and len(failed) == len(messages):
+        raise error
+    ok = [r for r, m in enumerate(messages) if m is None]
+    raise CompileError(
+        f"{name}: rank(s) {failed} failed {when} and rank(s) {ok} did not, so the ranks "
+        "cannot run one program; every rank must call the step with the same arguments "
+        f"and the same code. Rank {failed[0]}: {messages[failed[0]]}"
+    ) from error
+
+
+def _raise_if_any_rank_failed(mesh: MpmdMesh, name: str, error: Exception | None,
+                              when: str) -> None:
+    """Steps 2 and 4 of `Note: rejecting input on every rank`: allgathers the errors."""
+    _raise_gathered(name, _allgather(mesh, _describe(error)), error, when)
 
 
 class MpmdFunction:
@@ -273,10 +392,19 @@ class MpmdFunction:
         self._cache: dict[Any, MpmdCompiled] = {}
 
     def _signature(self, args: tuple) -> tuple:
+        """The cache key of `args`: (pytree structure, per leaf (shape, dtype name, weak
+        type, spec)).
+
+        Raises:
+          TypeError: a leaf is not an array (see `_abstract`), named by its path.
+        """
         leaves, tree = jax.tree.flatten(args)
         sig = []
-        for x in leaves:
-            a = _abstract(x)
+        for j, x in enumerate(leaves):
+            try:
+                a = _abstract(x)
+            except TypeError as e:
+                raise TypeError(f"argument {_paths(args)[j]} {e}") from None
             # An MpmdArray's layout is part of the signature; a replicated one and a
             # plain array (placed replicated) compile alike, so a loop that feeds its
             # outputs back hits the cache.
@@ -287,11 +415,55 @@ class MpmdFunction:
         return tree, tuple(sig)
 
     def compile(self, *args: Any) -> MpmdCompiled:
-        """Compiles for the signature of `args` (cached); returns the MpmdCompiled."""
-        key = self._signature(args)
-        compiled = self._cache.get(key)
-        if compiled is not None:
-            return compiled
+        """Compiles for the signature of `args` (cached); returns the MpmdCompiled.
+
+        Raises:
+          TypeError: an argument leaf is not an array (a str, an object, ...) or is a
+            typed PRNG key array.
+          ValueError: a malformed `in_shardings` / `out_shardings` / `donate_argnums`,
+            or a spec that does not fit its value on the group mesh.
+          CompileError: the step cannot be pipelined (see `build_step`), or, in MPI
+            mode, the ranks disagree (see `Note: rejecting input on every rank`).
+        """
+        key, error = None, None
+        try:
+            key = self._signature(args)
+        except TypeError as e:
+            error = e
+        else:
+            compiled = self._cache.get(key)
+            if compiled is not None:
+                return compiled
+        mesh = self.mpmd_mesh
+        name = getattr(self.fun, "__name__", "the step")
+        if mesh.is_local:
+            if error is not None:
+                raise error
+            compiled = MpmdCompiled(self._plan(args, key, name), mesh, key[0])
+        else:
+            from jaxpp_mpi._src.runtime.mpi import agree_on_program
+
+            self._agree_on_arguments(args, key, error, name)
+            plan = None
+            try:
+                plan = self._plan(args, key, name)
+            except Exception as e:  # noqa: BLE001 - raised on every rank just below
+                error = e
+            _raise_if_any_rank_failed(mesh, name, error, "to trace it")
+            agree_on_program(plan.program, mesh.comm)
+            compiled = None
+            try:
+                compiled = MpmdCompiled(plan, mesh, key[0])
+            except Exception as e:  # noqa: BLE001 - raised on every rank just below
+                error = e
+            # Everything is compiled: this allgather is the barrier before this rank's
+            # first message (DESIGN.md §7).
+            _raise_if_any_rank_failed(mesh, name, error, "to compile it")
+        self._cache[key] = compiled
+        return compiled
+
+    def _plan(self, args: tuple, key: tuple, name: str) -> StepPlan:
+        """Traces, splits and schedules the step for `args` (signature `key`)."""
         tree, sig = key
         for i in self._donate_argnums:
             if not 0 <= i < len(args):
@@ -303,6 +475,13 @@ class MpmdFunction:
             _spec_entries(s, "in_shardings") if s is not None else entry[3]
             for s, entry in zip(specs, sig)
         ]
+        mesh = self.mpmd_mesh
+        group_shape, mpmd_axis = mesh.group_shape, mesh.mpmd_axis_name
+        paths = None
+        for j, (spec, entry) in enumerate(zip(in_specs, sig)):
+            if spec:
+                paths = paths or _paths(args)
+                _check_layout(spec, entry[0], group_shape, f"argument {paths[j]}", mpmd_axis)
         donate = []
         for i, a in enumerate(args):
             donate += [i in self._donate_argnums] * len(jax.tree.leaves(a))
@@ -311,18 +490,66 @@ class MpmdFunction:
             out_tree = jax.tree.structure(jax.eval_shape(self.fun, *abstract))
             out_specs = [_spec_entries(s, "out_shardings")
                          for s in _per_leaf(self._out_shardings, out_tree, "out_shardings")]
-        name = getattr(self.fun, "__name__", "the step")
         start = time.perf_counter()
-        plan = build_step(self.fun, abstract, self.mpmd_mesh.mpmd_dim, in_specs=in_specs,
+        plan = build_step(self.fun, abstract, mesh.mpmd_dim, in_specs=in_specs,
                           out_specs=out_specs, donate=donate, what=f"{name}")
-        if self.mpmd_mesh.is_local or self.mpmd_mesh.my_mpmd_axis_index == 0:
+        if out_specs is not None:
+            out_paths = _paths(jax.tree.unflatten(plan.out_tree, plan.output_avals))
+            for k, (spec, aval) in enumerate(zip(out_specs, plan.output_avals)):
+                where = "result" + out_paths[k].removeprefix("args")
+                _check_layout(spec, aval.shape, group_shape, where, mpmd_axis)
+        if mesh.is_local or mesh.my_mpmd_axis_index == 0:
             logger.info("%s: traced, split and scheduled into %d groups' programs "
                         "(%d instructions) in %.1f s", name, plan.num_groups,
                         sum(len(g.instrs) for g in plan.program.groups),
                         time.perf_counter() - start)
-        compiled = MpmdCompiled(plan, self.mpmd_mesh, tree)
-        self._cache[key] = compiled
-        return compiled
+        return plan
+
+    def _agree_on_arguments(self, args: tuple, key: tuple | None,
+                            error: Exception | None, name: str) -> None:
+        """Step 1 of `Note: rejecting input on every rank` (MPI mode).
+
+        Raises:
+          TypeError / CompileError: a rank's arguments are not arrays (its own error on
+            every rank when all failed alike).
+          CompileError: the ranks passed different argument signatures, or their group
+            meshes differ in shape.
+        """
+        mesh = self.mpmd_mesh
+        digest = None
+        if key is not None:
+            digest = hashlib.sha256(repr((key[0].num_leaves, key[1])).encode()).hexdigest()
+        shape = tuple(mesh.group_shape.items())
+        reports = _allgather(mesh, (_describe(error), digest, shape))
+        _raise_gathered(name, [r[0] for r in reports], error, "the argument check")
+        shapes = [dict(r[2]) for r in reports]
+        bad = [r for r, s in enumerate(shapes) if s != shapes[0]]
+        if bad:
+            raise CompileError(
+                f"{name}: the ranks' group meshes differ: rank {bad[0]} has "
+                f"{shapes[bad[0]]}, rank 0 has {shapes[0]}; every MPMD group must have the "
+                "same mesh shape: give every rank the same number of devices (e.g. "
+                "make_mpmd_mesh with the same axis_shapes on every rank)"
+            )
+        if len({r[1] for r in reports}) == 1:
+            return
+        leaves = [f"{a} {np.dtype(d).name}{list(s)}{' weak' if w else ''}"
+                  f"{' spec ' + str(PartitionSpec(*p)) if p else ''}"
+                  for a, (s, d, w, p) in zip(_paths(args), key[1])]
+        everyone = _allgather(mesh, leaves)
+        r = next(r for r, d in enumerate(reports) if d[1] != reports[0][1])
+        mine, theirs = everyone[0], everyone[r]
+        if len(mine) != len(theirs):
+            diff = (f"rank 0 passes {len(mine)} argument leaves, rank {r} passes "
+                    f"{len(theirs)}")
+        else:
+            k = next(k for k, (a, b) in enumerate(zip(mine, theirs)) if a != b)
+            diff = f"rank 0 passes {mine[k]}, rank {r} passes {theirs[k]}"
+        raise CompileError(
+            f"{name}: the ranks called the step with different arguments, so they would "
+            f"build different programs whose messages do not match: {diff}. Every rank "
+            "must pass the same shapes, dtypes and shardings"
+        )
 
     def __call__(self, *args: Any) -> Any:
         return self.compile(*args)(*args)

@@ -91,10 +91,11 @@ def test_rendezvous_sized_messages_finish(mesh, sched_name):
 
 @pytest.mark.mpi(min_size=2)
 def test_mismatched_programs_raise_on_every_rank(mesh):
-    """Rank 1 traces another batch shape: every rank raises the same clear error."""
-    sched = schedule("1f1b", SIZE)
-    rows = 4 if RANK != 1 else 6
-    params, batch, loss_fn = mlp(sched.num_stages, 2 * SIZE, rows=rows)
+    """Rank 1 uses another schedule (same arguments, another program): every rank raises
+    the same clear error. (Arguments that differ between ranks are rejected before
+    tracing: tests/mpi/test_bad_input_mpi.py.)"""
+    sched = schedule("1f1b" if RANK != 1 else "gpipe", SIZE)
+    params, batch, loss_fn = mlp(sched.num_stages, 2 * SIZE)
     step, opt = make_step(loss_fn, sched)
     pipelined = jaxpp_mpi.mpmd_jit_with_loop(step, mpmd_mesh=mesh)
     try:

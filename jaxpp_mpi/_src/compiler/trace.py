@@ -39,6 +39,18 @@ class TracedStep:
         return self.jaxpr.eqns[self.loop_index]
 
 
+def _check_results(out_shape: Any, what: str) -> None:
+    """Raises CompileError for a result the runtimes cannot place: a typed PRNG key."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(out_shape)[0]:
+        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.extended):
+            raise CompileError(
+                f"{what} returns a typed PRNG key array at result{jax.tree_util.keystr(path)} "
+                f"(dtype {leaf.dtype}); jaxpp_mpi places and sends plain arrays only: "
+                "return jax.random.key_data(key) and rebuild the key with "
+                "jax.random.wrap_key_data"
+            )
+
+
 def trace_step(fun: Callable, args: Sequence[Any], *, what: str = "the step") -> TracedStep:
     """Traces `fun(*args)` and checks it holds one top-level treduce.
 
@@ -52,9 +64,11 @@ def trace_step(fun: Callable, args: Sequence[Any], *, what: str = "the step") ->
 
     Raises:
       CompileError: no treduce, several, or one that cannot be reached (inside lax
-        control flow).
+        control flow); a result that is a typed PRNG key array.
+      TypeError: a result that is not an array (from `jax.make_jaxpr`).
     """
     closed, out_shape = jax.make_jaxpr(fun, return_shape=True)(*args)
+    _check_results(out_shape, what)
     jaxpr = inline_calls(closed.jaxpr)
     nested = nested_treduce_errors(jaxpr)
     if nested:
