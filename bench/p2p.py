@@ -27,6 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpp_mpi._src.program import Aval
 from jaxpp_mpi._src.runtime import transport
+from jaxpp_mpi._src.runtime.heap import tune_heap
 from jaxpp_mpi._src.runtime.mpi import ShardPlan, _Messenger
 
 SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
@@ -101,8 +102,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="bench/results/p2p.json")
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--no-heap-tuning", action="store_true",
+                        help="keep glibc's malloc defaults (see runtime/heap.py)")
     args = parser.parse_args()
     comm = transport.world_dup()
+    if not args.no_heap_tuning:  # as the MPI executor does (Note: large buffers)
+        tune_heap()
     if comm.size != 2:
         raise SystemExit(f"bench/p2p.py needs exactly 2 ranks, got {comm.size}")
     rows = [bench_size(comm, s, args.reps if s < (16 << 20) else max(5, args.reps // 4))
@@ -114,6 +119,7 @@ def main() -> None:
             "cpus": os.cpu_count(),
             "jax": jax.__version__,
             "mpi": transport.library_version(),
+            "heap_tuning": not args.no_heap_tuning,
             "rows": rows,
         }
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)

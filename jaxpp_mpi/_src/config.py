@@ -8,6 +8,8 @@ Variables:
   JAXPP_MPI_ABORT_ON_EXCEPTION: `1` (default): in MPI mode an uncaught exception on any
     rank prints its traceback prefixed with the rank and aborts the whole job; `0`
     leaves `sys.excepthook` alone.
+  JAXPP_MPI_HEAP_TUNING: `1` (default): the MPI executor keeps large host buffers in the
+    C heap (see `Note: large buffers` in runtime/heap.py); `0` leaves glibc's defaults.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class Options:
       watchdog: whether the watchdog runs at all.
       watchdog_grace_s: pause between a watchdog report and the abort.
       abort_on_exception: whether MPI mode installs the abort-on-exception hook.
+      heap_tuning: whether the MPI executor applies `Note: large buffers`.
       first_steps: how many steps the automatic deadline learns from.
       first_steps_timeout_s: the automatic deadline while it is learning.
       auto_factor: the automatic deadline is this many times the slowest first step...
@@ -39,6 +42,7 @@ class Options:
     watchdog: bool = True
     watchdog_grace_s: float = 5.0
     abort_on_exception: bool = True
+    heap_tuning: bool = True
     first_steps: int = 3
     first_steps_timeout_s: float = 300.0
     auto_factor: float = 20.0
@@ -58,6 +62,13 @@ def _float(env: Mapping[str, str], name: str, default: float) -> float:
     return value
 
 
+def _flag(env: Mapping[str, str], name: str) -> bool:
+    raw = env.get(name, "1").strip().lower() or "1"
+    if raw not in ("0", "1", "true", "false", "yes", "no", "on", "off"):
+        raise ValueError(f"{name}={raw!r}: use 1 or 0")
+    return raw in ("1", "true", "yes", "on")
+
+
 def parse_options(env: Mapping[str, str]) -> Options:
     """The options set by `env` (an environment mapping).
 
@@ -70,14 +81,12 @@ def parse_options(env: Mapping[str, str]) -> Options:
         watchdog = False
     elif timeout != "auto":
         step_timeout = _float(env, "JAXPP_MPI_STEP_TIMEOUT", 0.0)
-    abort = env.get("JAXPP_MPI_ABORT_ON_EXCEPTION", "1").strip().lower()
-    if abort not in ("0", "1", "true", "false", "yes", "no", "on", "off"):
-        raise ValueError(f"JAXPP_MPI_ABORT_ON_EXCEPTION={abort!r}: use 1 or 0")
     return Options(
         step_timeout_s=step_timeout,
         watchdog=watchdog,
         watchdog_grace_s=_float(env, "JAXPP_MPI_WATCHDOG_GRACE", 5.0),
-        abort_on_exception=abort in ("1", "true", "yes", "on"),
+        abort_on_exception=_flag(env, "JAXPP_MPI_ABORT_ON_EXCEPTION"),
+        heap_tuning=_flag(env, "JAXPP_MPI_HEAP_TUNING"),
     )
 
 

@@ -55,6 +55,7 @@ from .executor import (
     timed_message,
 )
 from .failure import Watchdog, describe_task
+from .heap import tune_heap
 
 __all__ = ["MpiExecutor", "ShardPlan"]
 
@@ -185,6 +186,9 @@ class MpiExecutor:
         options: Options | None = None,
     ):
         verify(program, check_leaks=False)
+        options = options or config.options()
+        if options.heap_tuning:
+            tune_heap()
         self.program = program
         self.mpmd_idx = mpmd_idx
         gp: GroupProgram = program.group(mpmd_idx)
@@ -206,7 +210,6 @@ class MpiExecutor:
             SendRecv: self._bind_sendrecv,
         }
         self._steps = bind_steps(((mpmd_idx, i) for i in gp.instrs), binders)
-        options = options or config.options()
         self._watchdog = None
         if options.watchdog:
             self._watchdog = Watchdog(comm.Get_rank(), options, functools.partial(
