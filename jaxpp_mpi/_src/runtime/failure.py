@@ -18,7 +18,13 @@ Note: watchdog.
   (so the other ranks, whose deadlines expire at about the same time, print theirs),
   then aborts the job. Deadline: JAXPP_MPI_STEP_TIMEOUT seconds, or automatically
   `first_steps_timeout_s` for the first steps and then `max(auto_floor_s, auto_factor
-  * slowest step seen)`. The thread wakes every `poll_s` and never touches MPI.
+  * slowest step seen)`.
+
+  One daemon thread per process looks at every live executor's Watchdog (weakly held)
+  every `_POLL_S`, and never touches MPI. It only ever asks `is_ready()` of the chains'
+  `order` arrays, which nothing deletes or donates: asking it of a step's results while
+  the next step donates them crashed the process (seen in CI: a segfault in `is_ready`).
+  A step is done when its last chain is; a group with no messages has nothing to watch.
 """
 
 from __future__ import annotations
@@ -28,7 +34,8 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 from ..config import Options
@@ -91,6 +98,21 @@ def describe_task(label: str) -> str:
     return f"task {label} ({'; '.join(parts)})" if parts else f"task {label}"
 
 
+_POLL_S = 0.25
+_watched: weakref.WeakSet[Watchdog] = weakref.WeakSet()
+_monitor: threading.Thread | None = None
+_monitor_lock = threading.Lock()
+
+
+def _monitor_loop() -> None:
+    while True:
+        time.sleep(_POLL_S)
+        with _monitor_lock:
+            watchdogs = list(_watched)
+        for wd in watchdogs:
+            wd.check()
+
+
 class Watchdog:
     """The step watchdog of one MPI executor (see `Note: watchdog`).
 
@@ -100,25 +122,23 @@ class Watchdog:
       describe: `describe(k)` names instruction k for the report.
       num_instrs: the program's instruction count on this rank.
       abort: ends the whole job with the given status.
-      poll_s: how often the thread looks.
     """
 
     def __init__(self, rank: int, options: Options, describe: Callable[[int], str],
-                 num_instrs: int, abort: Callable[[int], None], poll_s: float = 0.25):
+                 num_instrs: int, abort: Callable[[int], None]):
         self.rank = rank
         self.options = options
         self.describe = describe
         self.num_instrs = num_instrs
         self.abort = abort
-        self.poll_s = poll_s
         self.pc = num_instrs  # the instruction Python is dispatching
         self.marks: list[Any] = [None] * num_instrs  # per message: its order array
         self._lock = threading.Lock()
         self._step = 0
         self._start: float | None = None
-        self._done: Sequence[Any] | None = None
+        self._done: Any = None
         self._durations: list[float] = []
-        self._thread: threading.Thread | None = None
+        self._fired = False
 
     def deadline_s(self) -> float:
         """The current step's deadline in seconds."""
@@ -131,44 +151,47 @@ class Watchdog:
 
     def step_started(self) -> None:
         """Called by the executor before it dispatches a step."""
+        global _monitor
         with self._lock:
             self._step += 1
             self._start = time.monotonic()
             self._done = None
             self.pc = 0
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._watch, name="jaxpp_mpi-watchdog",
-                                            daemon=True)
-            self._thread.start()
+        with _monitor_lock:
+            if self not in _watched:
+                _watched.add(self)
+                if _monitor is None:
+                    _monitor = threading.Thread(target=_monitor_loop, daemon=True,
+                                                name="jaxpp_mpi-watchdog")
+                    _monitor.start()
 
-    def step_dispatched(self, done: Sequence[Any]) -> None:
-        """Called once the step is dispatched; it is finished when all of `done` are."""
+    def step_dispatched(self, last_order: Any) -> None:
+        """Called once the step is dispatched; it is done when `last_order` (the `order`
+        array of its last message chain, or None) is ready."""
         with self._lock:
             self.pc = self.num_instrs
-            self._done = list(done)
+            self._done = last_order
 
-    def _watch(self) -> None:
-        while True:
-            time.sleep(self.poll_s)
-            with self._lock:
-                if self._start is None:
-                    continue
-                elapsed = time.monotonic() - self._start
-                done = self._done
-                if done is not None and all(_ready(x) for x in done):
-                    self._durations.append(elapsed)
-                    self._start = None
-                    continue
-                deadline = self.deadline_s()
-                if elapsed <= deadline:
-                    continue
-                report = self._report(elapsed, deadline)
-            sys.stderr.write(_prefixed(self.rank, report))
-            sys.stderr.flush()
-            time.sleep(self.options.watchdog_grace_s)
-            self.abort(1)
-            return
-
+    def check(self) -> None:
+        """One look (from the monitor thread): record a finished step's time, or report
+        and abort when the step in flight is past its deadline."""
+        with self._lock:
+            if self._start is None or self._fired:
+                return
+            elapsed = time.monotonic() - self._start
+            if self.pc == self.num_instrs and (self._done is None or _ready(self._done)):
+                self._durations.append(elapsed)
+                self._start = None
+                return
+            deadline = self.deadline_s()
+            if elapsed <= deadline:
+                return
+            self._fired = True
+            report = self._report(elapsed, deadline)
+        sys.stderr.write(_prefixed(self.rank, report))
+        sys.stderr.flush()
+        time.sleep(self.options.watchdog_grace_s)
+        self.abort(1)
     def _blocked_at(self) -> int | None:
         if self.pc < self.num_instrs:
             return self.pc

@@ -211,6 +211,7 @@ class MpiExecutor:
         }
         self._steps = bind_steps(((mpmd_idx, i) for i in gp.instrs), binders)
         self._watchdog = None
+        self._has_messages = any(isinstance(i, (Send, Recv, SendRecv)) for i in gp.instrs)
         if options.watchdog:
             self._watchdog = Watchdog(comm.Get_rank(), options, functools.partial(
                 describe_instr, gp), len(gp.instrs), comm.Abort)
@@ -329,9 +330,8 @@ class MpiExecutor:
         for k, step in enumerate(self._steps.untimed if times is None else self._steps.timed):
             wd.pc = k
             step(table, times)
-        out = self._collect(table)
-        wd.step_dispatched([self._chain.order, *(x for r in out for x in r.values())])
-        return out
+        wd.step_dispatched(self._chain.order if self._has_messages else None)
+        return self._collect(table)
 
     def _marked(self, steps: StepLists, wd: Watchdog) -> StepLists:
         """`steps` where each message step leaves its chain's order array in
