@@ -172,6 +172,12 @@ class Watchdog:
             self.pc = self.num_instrs
             self._done = last_order
 
+    def step_abandoned(self) -> None:
+        """Called when dispatching the step raised: nothing more to watch for it."""
+        with self._lock:
+            self._start = None
+            self.pc = self.num_instrs
+
     def check(self) -> None:
         """One look (from the monitor thread): record a finished step's time, or report
         and abort when the step in flight is past its deadline."""

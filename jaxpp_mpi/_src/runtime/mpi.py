@@ -327,9 +327,14 @@ class MpiExecutor:
             return self._collect(table)
         wd.step_started()
         times = active_task_times()
-        for k, step in enumerate(self._steps.untimed if times is None else self._steps.timed):
-            wd.pc = k
-            step(table, times)
+        try:
+            for k, step in enumerate(self._steps.untimed if times is None
+                                     else self._steps.timed):
+                wd.pc = k
+                step(table, times)
+        except BaseException:
+            wd.step_abandoned()  # the error is the caller's to report, not a hang
+            raise
         wd.step_dispatched(self._chain.order if self._has_messages else None)
         return self._collect(table)
 
