@@ -161,3 +161,17 @@ def assert_close_to_reference(reference, pipelined, rtol=1e-5, atol=1e-6) -> int
         np.testing.assert_allclose(b, a, rtol=rtol, atol=atol, err_msg=f"leaf {i}")
         compared += 1
     return compared
+
+
+def random_array(seed: int, shape, dtype) -> np.ndarray:
+    """Random bit patterns of `dtype` (NaN payloads and -0.0 included for floats), the
+    same on every rank for the same seed."""
+    width = np.dtype(jnp.dtype(dtype)).itemsize
+    raw = np.random.default_rng(seed).integers(0, 2 ** (8 * width), shape, dtype=np.uint64)
+    return raw.astype(f"u{width}").view(jnp.dtype(dtype))
+
+
+def bits(x) -> np.ndarray:
+    """The raw bits of `x` as unsigned integers (compare NaN payloads and -0.0 too)."""
+    x = np.asarray(x)
+    return x.view(np.dtype(f"u{x.dtype.itemsize}"))

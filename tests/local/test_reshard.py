@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from models import assert_close_to_reference, make_step, mlp, schedule
+from models import assert_close_to_reference, bits, make_step, mlp, random_array, schedule
 
 import jaxpp_mpi
 from jaxpp_mpi import MpmdSharding
@@ -28,18 +28,6 @@ PROPERTY = settings(max_examples=15, deadline=None, derandomize=True, database=N
 @functools.cache
 def mesh_of(groups: int, k: int) -> jaxpp_mpi.MpmdMesh:
     return jaxpp_mpi.make_mpmd_mesh((groups, k), ("stage", "data"), "stage")
-
-
-def random_array(seed: int, shape, dtype) -> np.ndarray:
-    """Random bit patterns of `dtype` (NaN payloads and -0.0 included for floats)."""
-    width = np.dtype(jnp.dtype(dtype)).itemsize
-    bits = np.random.default_rng(seed).integers(0, 2 ** (8 * width), shape, dtype=np.uint64)
-    return bits.astype(f"u{width}").view(jnp.dtype(dtype))
-
-
-def bits(x) -> np.ndarray:
-    x = np.asarray(x)
-    return x.view(np.dtype(f"u{x.dtype.itemsize}"))
 
 
 def spmd_spec(ndim: int, dim, with_data: bool) -> P:

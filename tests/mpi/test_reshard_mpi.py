@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from models import assert_close_to_reference, make_step, mlp, schedule
+from models import assert_close_to_reference, bits, make_step, mlp, random_array, schedule
 from mpi4py import MPI
 
 import jaxpp_mpi
@@ -36,18 +36,6 @@ def mesh():
 def _everywhere(ok: bool, detail: str = "") -> None:
     results = WORLD.allgather((ok, detail))
     assert all(r[0] for r in results), [r for r in results if not r[0]]
-
-
-def random_array(seed: int, shape, dtype) -> np.ndarray:
-    """Random bit patterns of `dtype`, the same on every rank."""
-    width = np.dtype(jnp.dtype(dtype)).itemsize
-    bits = np.random.default_rng(seed).integers(0, 2 ** (8 * width), shape, dtype=np.uint64)
-    return bits.astype(f"u{width}").view(jnp.dtype(dtype))
-
-
-def bits(x) -> np.ndarray:
-    x = np.asarray(x)
-    return x.view(np.dtype(f"u{x.dtype.itemsize}"))
 
 
 def spec_on(ndim: int, dim, axis) -> P:
