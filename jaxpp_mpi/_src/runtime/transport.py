@@ -57,6 +57,7 @@ from jax.interpreters import mlir
 
 # Why mpi4jax internals: the handles its own lowerings pass to its FFI handlers; there
 # is no public API for lowering its calls without its ordered effect (message chains).
+from mpi4jax._src.decorators import translation_rule_cpu, translation_rule_cuda
 from mpi4jax._src.jax_compat import abstract_token
 from mpi4jax._src.utils import to_dtype_handle, to_mpi_handle
 from mpi4jax._src.xla_bridge import MPI_STATUS_IGNORE_ADDR
@@ -287,8 +288,12 @@ def _mpi_chain_lowering(ctx, order, *sends, ops, comm):
     return [hlo.add(order, one), *received]
 
 
-mlir.register_lowering(mpi_chain_p, _mpi_chain_lowering, platform="cpu")
-mlir.register_lowering(mpi_chain_p, _mpi_chain_lowering, platform="cuda")
+# mpi4jax's own per-platform wrappers run its set-up first (on CUDA: load its CUDA
+# extension and apply MPI4JAX_USE_CUDA_MPI), as for its own primitives.
+mlir.register_lowering(mpi_chain_p, translation_rule_cpu(_mpi_chain_lowering),
+                       platform="cpu")
+mlir.register_lowering(mpi_chain_p, translation_rule_cuda(_mpi_chain_lowering),
+                       platform="cuda")
 
 _chains: weakref.WeakSet[Chain] = weakref.WeakSet()
 
