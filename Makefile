@@ -23,7 +23,7 @@ install:
 test: test-unit test-mpi
 
 test-unit: $(PY)
-	$(PY) -m pytest tests/unit tests/local -q $(PYTEST_ARGS)
+	$(PY) -m pytest tests/unit tests/local tests/jobs -q $(PYTEST_ARGS)
 
 test-mpi: $(PY)
 	$(call MPI_PYTEST,2)

@@ -3,7 +3,7 @@
 Run (no mpirun: it starts 2-rank jobs itself):
     .venv/bin/python bench/faults.py --repeats 3 --out bench/results/faults.json
 
-Each repeat starts tests/harness/faults.py under `launch/jpprun -n 2` without
+Each repeat starts tests/jobs/harness/faults.py under `launch/jpprun -n 2` without
 `python -m mpi4py` (so jaxpp_mpi's own hooks act) with one fault on rank 1:
 - `stage-exception`: a host callback in stage 1 raises;
 - `trace-exception`: rank 1 raises while tracing the step (rank 0 waits in the
@@ -36,7 +36,7 @@ def run_once(fault: str) -> dict:
                JAXPP_MPI_WATCHDOG_GRACE="2", JAXPP_MPI_FAULT_STAMP="1")
     env.pop("XLA_FLAGS", None)
     cmd = [str(ROOT / "launch" / "jpprun"), "-n", "2", "env", sys.executable,
-           "tests/harness/faults.py", fault]
+           "tests/jobs/harness/faults.py", fault]
     start = time.time()
     try:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True,

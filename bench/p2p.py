@@ -25,9 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxpp_mpi._src.program import Aval
-from jaxpp_mpi._src.runtime import transport
-from jaxpp_mpi._src.runtime.heap import tune_heap
+from jaxpp_mpi._src.ir.program import Aval
+from jaxpp_mpi._src.mpi import transport
+from jaxpp_mpi._src.mpi.heap import tune_heap
 from jaxpp_mpi._src.runtime.mpi import ShardPlan, _Messenger
 
 SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
@@ -103,7 +103,7 @@ def main() -> None:
     parser.add_argument("--out", default="bench/results/p2p.json")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--no-heap-tuning", action="store_true",
-                        help="keep glibc's malloc defaults (see runtime/heap.py)")
+                        help="keep glibc's malloc defaults (see mpi/heap.py)")
     args = parser.parse_args()
     comm = transport.world_dup()
     if not args.no_heap_tuning:  # as the MPI executor does (Note: large buffers)

@@ -119,7 +119,7 @@ def main() -> None:
     from mpi4py import MPI
 
     import jaxpp_mpi
-    from jaxpp_mpi._src.simulate import simulate
+    from jaxpp_mpi._src.ir.simulate import simulate
 
     world = MPI.COMM_WORLD
     groups = world.size

@@ -19,23 +19,23 @@ _EXPORTS = {
     "CompileError": "errors",
     "MpmdMesh": "mesh",
     "make_mpmd_mesh": "mesh",
-    "collect_task_times_ms": "timing",
-    "PreemptionGuard": "preemption",
-    "mpmd_init": "mpmd_init",
-    "mark_stage_end": "primitives",
-    "pipeline_enter_stage": "primitives",
-    "mpmd_to_spmd_reshard": "reshard",
-    "spmd_to_mpmd_reshard": "reshard",
-    "ScheduleError": "schedule_check",
-    "CustomSchedule": "schedule_csv",
-    "BaseSchedule": "schedules",
-    "DualPipeV": "schedules",
-    "Eager1F1B": "schedules",
-    "GPipe": "schedules",
-    "Interleaved1F1B": "schedules",
-    "KimiK2": "schedules",
-    "Std1F1B": "schedules",
-    "ZeroBubble": "schedules",
+    "collect_task_times_ms": "timeline.timing",
+    "PreemptionGuard": "runtime.preemption",
+    "mpmd_init": "reshard.init",
+    "mark_stage_end": "stage_marks",
+    "pipeline_enter_stage": "stage_marks",
+    "mpmd_to_spmd_reshard": "reshard.reshard",
+    "spmd_to_mpmd_reshard": "reshard.reshard",
+    "ScheduleError": "schedules.check",
+    "CustomSchedule": "schedules.custom",
+    "BaseSchedule": "schedules.library",
+    "DualPipeV": "schedules.library",
+    "Eager1F1B": "schedules.library",
+    "GPipe": "schedules.library",
+    "Interleaved1F1B": "schedules.library",
+    "KimiK2": "schedules.library",
+    "Std1F1B": "schedules.library",
+    "ZeroBubble": "schedules.library",
     "Add": "treduce",
     "Concat": "treduce",
     "Max": "treduce",
@@ -75,23 +75,23 @@ if TYPE_CHECKING:  # what static tools see; the same names as _EXPORTS
     from jaxpp_mpi._src.errors import CompileError as CompileError
     from jaxpp_mpi._src.mesh import MpmdMesh as MpmdMesh
     from jaxpp_mpi._src.mesh import make_mpmd_mesh as make_mpmd_mesh
-    from jaxpp_mpi._src.mpmd_init import mpmd_init as mpmd_init
-    from jaxpp_mpi._src.preemption import PreemptionGuard as PreemptionGuard
-    from jaxpp_mpi._src.primitives import mark_stage_end as mark_stage_end
-    from jaxpp_mpi._src.primitives import pipeline_enter_stage as pipeline_enter_stage
-    from jaxpp_mpi._src.reshard import mpmd_to_spmd_reshard as mpmd_to_spmd_reshard
-    from jaxpp_mpi._src.reshard import spmd_to_mpmd_reshard as spmd_to_mpmd_reshard
-    from jaxpp_mpi._src.schedule_check import ScheduleError as ScheduleError
-    from jaxpp_mpi._src.schedule_csv import CustomSchedule as CustomSchedule
-    from jaxpp_mpi._src.schedules import BaseSchedule as BaseSchedule
-    from jaxpp_mpi._src.schedules import DualPipeV as DualPipeV
-    from jaxpp_mpi._src.schedules import Eager1F1B as Eager1F1B
-    from jaxpp_mpi._src.schedules import GPipe as GPipe
-    from jaxpp_mpi._src.schedules import Interleaved1F1B as Interleaved1F1B
-    from jaxpp_mpi._src.schedules import KimiK2 as KimiK2
-    from jaxpp_mpi._src.schedules import Std1F1B as Std1F1B
-    from jaxpp_mpi._src.schedules import ZeroBubble as ZeroBubble
-    from jaxpp_mpi._src.timing import collect_task_times_ms as collect_task_times_ms
+    from jaxpp_mpi._src.reshard.init import mpmd_init as mpmd_init
+    from jaxpp_mpi._src.runtime.preemption import PreemptionGuard as PreemptionGuard
+    from jaxpp_mpi._src.stage_marks import mark_stage_end as mark_stage_end
+    from jaxpp_mpi._src.stage_marks import pipeline_enter_stage as pipeline_enter_stage
+    from jaxpp_mpi._src.reshard.reshard import mpmd_to_spmd_reshard as mpmd_to_spmd_reshard
+    from jaxpp_mpi._src.reshard.reshard import spmd_to_mpmd_reshard as spmd_to_mpmd_reshard
+    from jaxpp_mpi._src.schedules.check import ScheduleError as ScheduleError
+    from jaxpp_mpi._src.schedules.custom import CustomSchedule as CustomSchedule
+    from jaxpp_mpi._src.schedules.library import BaseSchedule as BaseSchedule
+    from jaxpp_mpi._src.schedules.library import DualPipeV as DualPipeV
+    from jaxpp_mpi._src.schedules.library import Eager1F1B as Eager1F1B
+    from jaxpp_mpi._src.schedules.library import GPipe as GPipe
+    from jaxpp_mpi._src.schedules.library import Interleaved1F1B as Interleaved1F1B
+    from jaxpp_mpi._src.schedules.library import KimiK2 as KimiK2
+    from jaxpp_mpi._src.schedules.library import Std1F1B as Std1F1B
+    from jaxpp_mpi._src.schedules.library import ZeroBubble as ZeroBubble
+    from jaxpp_mpi._src.timeline.timing import collect_task_times_ms as collect_task_times_ms
     from jaxpp_mpi._src.treduce import Add as Add
     from jaxpp_mpi._src.treduce import Concat as Concat
     from jaxpp_mpi._src.treduce import Max as Max

@@ -109,7 +109,7 @@ def task_counts(trace: dict) -> Counter:
 
 def program_tasks(program: Any, groups: Any, pid_of: Any) -> Counter:
     """(pid, group, task label) -> how many labelled Runs `program` has on `groups`."""
-    from jaxpp_mpi._src.program import Run
+    from jaxpp_mpi._src.ir.program import Run
 
     return Counter((pid_of(g), g, i.task) for g in groups
                    for i in program.group(g).instrs if isinstance(i, Run) and i.task)

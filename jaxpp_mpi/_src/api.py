@@ -47,7 +47,7 @@ from jaxpp_mpi._src.array import MpmdArray, MpmdSharding, mpmd_array_from_local
 from jaxpp_mpi._src.compiler.build import StepPlan, build_step, compile_exe
 from jaxpp_mpi._src.errors import CompileError
 from jaxpp_mpi._src.mesh import MpmdMesh
-from jaxpp_mpi._src.program import Aval, GroupProgram, Program
+from jaxpp_mpi._src.ir.program import Aval, GroupProgram, Program
 
 __all__ = ["MpmdCompiled", "MpmdFunction", "mpmd_jit_with_loop"]
 
@@ -347,7 +347,7 @@ def _describe(error: BaseException | None) -> str | None:
 
 
 def _allgather(mesh: MpmdMesh, obj: Any) -> list[Any]:
-    from jaxpp_mpi._src.runtime import transport  # the only module importing mpi4py
+    from jaxpp_mpi._src.mpi import transport  # the only module importing mpi4py
 
     return transport.allgather_object(obj, mesh.comm)
 

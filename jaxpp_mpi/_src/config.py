@@ -9,7 +9,7 @@ Variables:
     rank prints its traceback prefixed with the rank and aborts the whole job; `0`
     leaves `sys.excepthook` alone.
   JAXPP_MPI_HEAP_TUNING: `1` (default): the MPI executor keeps large host buffers in the
-    C heap (see `Note: large buffers` in runtime/heap.py); `0` leaves glibc's defaults.
+    C heap (see `Note: large buffers` in mpi/heap.py); `0` leaves glibc's defaults.
 """
 
 from __future__ import annotations

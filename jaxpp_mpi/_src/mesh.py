@@ -35,7 +35,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 
 from jaxpp_mpi._src import config
-from jaxpp_mpi._src.bind import launcher_world_size
+from jaxpp_mpi._src.launch.bind import launcher_world_size
 
 __all__ = ["MpmdMesh", "make_mpmd_mesh"]
 
@@ -61,7 +61,7 @@ def _mpi_world_size() -> int:
 
 
 def _default_comm() -> Comm:
-    from jaxpp_mpi._src.runtime import transport  # the only module importing mpi4py
+    from jaxpp_mpi._src.mpi import transport  # the only module importing mpi4py
 
     return transport.world_dup()
 

@@ -16,7 +16,7 @@ Note: treduce_p params
       `microbatch_idx` is an int32 scalar and `invariants` line up one to one
       with `eqn.invars`; `body.jaxpr.outvars` are the flat leaves of the
       per-microbatch output Y (`jax.tree.leaves` order). Stage marks (see
-      `primitives.py`, Note: stage marks) sit inside it, possibly nested in
+      `stage_marks.py`, Note: stage marks) sit inside it, possibly nested in
       `pjit` / `remat` / `custom_vjp` eqns.
     * `num_microbatches`: int >= 1.
     * `schedule`: the user's schedule object, opaque here (hashable).

@@ -5,7 +5,7 @@ Run under MPI (`launch/jpprun -n N python -m jaxpp_mpi.reshard ...`) or in one p
 
 import sys
 
-from jaxpp_mpi._src.reshard_cli import main
+from jaxpp_mpi._src.reshard.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -8,10 +8,10 @@ import os
 import sys
 from collections.abc import Sequence
 
-from jaxpp_mpi._src import gantt
-from jaxpp_mpi._src.schedule_check import DEFAULT_LATENCIES, ScheduleAnalysis, analyze_schedule
-from jaxpp_mpi._src.schedule_csv import CustomSchedule, format_entry, schedule_to_csv
-from jaxpp_mpi._src.schedules import (
+from jaxpp_mpi._src.timeline import gantt
+from jaxpp_mpi._src.schedules.check import DEFAULT_LATENCIES, ScheduleAnalysis, analyze_schedule
+from jaxpp_mpi._src.schedules.custom import CustomSchedule, format_entry, schedule_to_csv
+from jaxpp_mpi._src.schedules.library import (
     BaseSchedule,
     DualPipeV,
     Eager1F1B,
@@ -23,7 +23,7 @@ from jaxpp_mpi._src.schedules import (
     ZeroBubble,
     entry_tasks,
 )
-from jaxpp_mpi._src.trace import load as load_trace
+from jaxpp_mpi._src.timeline.chrome import load as load_trace
 
 PROG = "python -m jaxpp_mpi.schedules"
 SCHEDULES: dict[str, type[BaseSchedule]] = {

@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpp_mpi._src.program import (
+from jaxpp_mpi._src.ir.program import (
     Aval,
     Free,
     GroupProgram,
@@ -21,7 +21,7 @@ from jaxpp_mpi._src.program import (
 )
 from jaxpp_mpi._src.runtime.executor import execute
 from jaxpp_mpi._src.runtime.local import LocalExecutor, Transfer, local_order
-from jaxpp_mpi._src.timing import collect_task_times_ms
+from jaxpp_mpi._src.timeline.timing import collect_task_times_ms
 
 D = 4  # feature size
 B = 8  # batch size

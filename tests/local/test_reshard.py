@@ -17,8 +17,8 @@ from models import assert_close_to_reference, bits, make_step, mlp, random_array
 
 import jaxpp_mpi
 from jaxpp_mpi import MpmdSharding
-from jaxpp_mpi._src import reshard
-from jaxpp_mpi._src.mpmd_init import group_init_jaxprs
+from jaxpp_mpi._src.reshard import reshard
+from jaxpp_mpi._src.reshard.init import group_init_jaxprs
 
 DTYPES = ["float32", "bfloat16", "int32"]
 PROPERTY = settings(max_examples=15, deadline=None, derandomize=True, database=None,

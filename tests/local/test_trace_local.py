@@ -11,7 +11,7 @@ from trace_schema import check_chrome_trace, program_tasks, task_counts
 
 import jaxpp_mpi
 import jaxpp_mpi.trace
-from jaxpp_mpi._src.gantt import trace_chart
+from jaxpp_mpi._src.timeline.gantt import trace_chart
 from jaxpp_mpi.trace import TaskPart, parse_label
 
 

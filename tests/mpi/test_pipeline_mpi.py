@@ -17,7 +17,7 @@ from models import transformer as transformer_model
 from mpi4py import MPI
 
 import jaxpp_mpi
-from jaxpp_mpi._src.program import Aval, GroupProgram, Program, Recv, Send
+from jaxpp_mpi._src.ir.program import Aval, GroupProgram, Program, Recv, Send
 from jaxpp_mpi._src.runtime.mpi import MpiExecutor
 
 WORLD = MPI.COMM_WORLD

@@ -20,7 +20,7 @@ from mpi4py import MPI
 
 import jaxpp_mpi
 from jaxpp_mpi import MpmdSharding
-from jaxpp_mpi._src import reshard
+from jaxpp_mpi._src.reshard import reshard
 
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.rank, WORLD.size

@@ -13,7 +13,7 @@ from trace_schema import check_chrome_trace, program_tasks, task_counts
 
 import jaxpp_mpi
 import jaxpp_mpi.trace
-from jaxpp_mpi._src.runtime import transport
+from jaxpp_mpi._src.mpi import transport
 
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.rank, WORLD.size

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from jaxpp_mpi._src.runtime import transport
+from jaxpp_mpi._src.mpi import transport
 
 COMM = transport.world_dup()
 RANK, SIZE = COMM.rank, COMM.size

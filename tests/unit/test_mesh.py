@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import AxisType, Mesh
 
 from jaxpp_mpi._src import mesh as mesh_mod
-from jaxpp_mpi._src.bind import _WORLD_SIZE_VARS
+from jaxpp_mpi._src.launch.bind import _WORLD_SIZE_VARS
 from jaxpp_mpi._src.mesh import MpmdMesh, make_mpmd_mesh
 
 

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpp_mpi._src.primitives import mark_stage_end, stage_end_p
+from jaxpp_mpi._src.stage_marks import mark_stage_end, stage_end_p
 from jaxpp_mpi._src.treduce import (
     Add,
     Concat,

@@ -37,9 +37,9 @@ from jaxpp_mpi._src.compiler.outer import (
 from jaxpp_mpi._src.compiler.placement import place_outer
 from jaxpp_mpi._src.compiler.split import SplitBody, split_body
 from jaxpp_mpi._src.compiler.task_graph import TaskGraph, TaskNode, Value
-from jaxpp_mpi._src.compiler.trace import trace_step
+from jaxpp_mpi._src.compiler.trace_step import trace_step
 from jaxpp_mpi._src.errors import CompileError
-from jaxpp_mpi._src.program import Aval, Program
+from jaxpp_mpi._src.ir.program import Aval, Program
 
 __all__ = ["StepPlan", "build_step"]
 

@@ -30,8 +30,8 @@ from jax.extend import core as jex_core
 from jaxpp_mpi._src.compiler.split import BWD, BWD_I, BWD_W, FWD, SplitBody, TaskJaxpr, TaskKey
 from jaxpp_mpi._src.compiler.task_graph import TaskNode, Value
 from jaxpp_mpi._src.errors import CompileError
-from jaxpp_mpi._src.program import Aval
-from jaxpp_mpi._src.schedules import BaseSchedule, TaskType, entry_tasks
+from jaxpp_mpi._src.ir.program import Aval
+from jaxpp_mpi._src.schedules.library import BaseSchedule, TaskType, entry_tasks
 from jaxpp_mpi._src.treduce import Add, Concat, Max, Op
 
 __all__ = ["Exe", "LoopPlacement", "LoopTasks", "aval_of", "build_loop_tasks", "place_loop"]

@@ -5,8 +5,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping
 
-from .. import program_passes, simulate
-from ..program import (
+from jaxpp_mpi._src.ir import passes as program_passes
+from jaxpp_mpi._src.ir import simulate
+from jaxpp_mpi._src.ir.program import (
     Free,
     GroupProgram,
     Instr,
@@ -16,7 +17,7 @@ from ..program import (
     Send,
     SendRecv,
 )
-from .task_graph import TaskGraph, TaskNode, Value
+from jaxpp_mpi._src.compiler.task_graph import TaskGraph, TaskNode, Value
 
 __all__ = ["build_program", "build_program_with_names", "live_buffer_profile"]
 

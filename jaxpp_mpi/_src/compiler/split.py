@@ -34,7 +34,7 @@ from jax.extend import core as jex_core
 from jaxpp_mpi._src.compiler.inline import inline_marked_calls
 from jaxpp_mpi._src.compiler.jaxpr_util import new_jaxpr
 from jaxpp_mpi._src.errors import CompileError
-from jaxpp_mpi._src.primitives import is_stage_end
+from jaxpp_mpi._src.stage_marks import is_stage_end
 
 FWD, BWD, BWD_I, BWD_W = "F", "B", "I", "W"
 TaskKey = tuple[str, int]  # (kind, stage)

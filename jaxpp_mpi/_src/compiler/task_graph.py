@@ -7,7 +7,7 @@ import re
 from collections.abc import Mapping
 from types import MappingProxyType
 
-from ..program import Aval
+from jaxpp_mpi._src.ir.program import Aval
 
 __all__ = ["TaskGraph", "TaskNode", "Value"]
 

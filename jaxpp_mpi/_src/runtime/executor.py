@@ -20,8 +20,8 @@ from typing import Any
 
 import jax
 
-from ..program import Aval, Free, GroupProgram, Run
-from ..timing import TaskTimes, TraceEvent, active_task_times
+from jaxpp_mpi._src.ir.program import Aval, Free, GroupProgram, Run
+from jaxpp_mpi._src.timeline.timing import TaskTimes, TraceEvent, active_task_times
 
 __all__ = [
     "BufferLayout",

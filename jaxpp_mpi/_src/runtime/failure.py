@@ -38,7 +38,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from ..config import Options
+from jaxpp_mpi._src.config import Options
 
 __all__ = ["Watchdog", "describe_task", "install_abort_on_exception"]
 

@@ -23,11 +23,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ..program import Aval, Free, Program, Run, SendRecv
-from ..program_passes import match_messages, recv_half, send_half
-from ..simulate import verify
-from ..timing import TraceEvent
-from .executor import (
+from jaxpp_mpi._src.ir.program import Aval, Free, Program, Run, SendRecv
+from jaxpp_mpi._src.ir.passes import match_messages, recv_half, send_half
+from jaxpp_mpi._src.ir.simulate import verify
+from jaxpp_mpi._src.timeline.timing import TraceEvent
+from jaxpp_mpi._src.runtime.executor import (
     BufferLayout,
     Executable,
     InputBinder,

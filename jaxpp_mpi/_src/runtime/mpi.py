@@ -33,13 +33,13 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, SingleDeviceSharding
 
-from .. import config
-from ..config import Options
-from ..program import Aval, Free, GroupProgram, Program, Recv, Run, Send, SendRecv
-from ..simulate import verify
-from ..timing import active_task_times
-from . import transport
-from .executor import (
+from jaxpp_mpi._src import config
+from jaxpp_mpi._src.config import Options
+from jaxpp_mpi._src.ir.program import Aval, Free, GroupProgram, Program, Recv, Run, Send, SendRecv
+from jaxpp_mpi._src.ir.simulate import verify
+from jaxpp_mpi._src.timeline.timing import active_task_times
+from jaxpp_mpi._src.mpi import transport
+from jaxpp_mpi._src.runtime.executor import (
     BufferLayout,
     Executable,
     InputBinder,
@@ -54,8 +54,8 @@ from .executor import (
     execute,
     timed_message,
 )
-from .failure import Watchdog, describe_task
-from .heap import tune_heap
+from jaxpp_mpi._src.runtime.failure import Watchdog, describe_task
+from jaxpp_mpi._src.mpi.heap import tune_heap
 
 __all__ = ["MpiExecutor", "ShardPlan"]
 

@@ -1,0 +1,1 @@
+"""Checkpoints: file format, atomic commit, save/restore, placement plans."""

@@ -1,0 +1,232 @@
+"""Writing a checkpoint directory atomically from one or many MPI ranks.
+
+Note: Atomic commit.
+  A checkpoint directory appears at its path only once complete (format: Note:
+  Checkpoint format in checkpoint/format.py):
+  1. rank 0 creates `.NAME.tmp-TOKEN/` next to the target NAME (removing stale temp
+     dirs of the same target first) and broadcasts its name, or its error;
+  2. every rank writes the .npy files of the leaves it owns into it, one leaf per
+     round; after each round the ranks allgather (error, bytes), so a failure on one
+     rank stops every rank at the same point and raises there too;
+  3. rank 0 writes manifest.json last, syncs the directory and renames it to NAME. An
+     existing NAME (replaced only when `overwrite`, and only if it is a checkpoint) is
+     first renamed to `.NAME.old-TOKEN`, then deleted; rank 0 broadcasts the outcome.
+  A crash before the rename leaves NAME as it was, plus a temp dir that the next save to
+  NAME removes; a crash between the two renames leaves the previous checkpoint at
+  `.NAME.old-TOKEN`, which the next save to NAME renames back first. On an error rank 0
+  removes the temp dir and every rank raises.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import os
+import secrets
+import shutil
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from jaxpp_mpi._src.checkpoint import format as fmt
+from jaxpp_mpi._src.checkpoint.format import CheckpointError, Manifest
+
+__all__ = ["Ranks", "commit_checkpoint"]
+
+Producer = Callable[[], np.ndarray]
+
+
+class Ranks:
+    """The processes taking part in a checkpoint operation: the ranks of an MPI
+    communicator, or this process alone (`comm=None`). Only mpi4py's object
+    collectives of a communicator handed in are used; nothing here imports MPI."""
+
+    def __init__(self, comm: Any = None):
+        self.comm = comm
+        self.rank = 0 if comm is None else int(comm.Get_rank())
+        self.size = 1 if comm is None else int(comm.Get_size())
+
+    def bcast(self, obj: Any) -> Any:
+        """`obj` of rank 0, on every rank."""
+        return obj if self.comm is None else self.comm.bcast(obj, root=0)
+
+    def allgather(self, obj: Any) -> list[Any]:
+        return [obj] if self.comm is None else self.comm.allgather(obj)
+
+    def barrier(self) -> None:
+        if self.comm is not None:
+            self.comm.Barrier()
+
+    def raise_if_any(self, error: BaseException | None) -> None:
+        """Raises on every rank when `error` is set on any: the rank's own error where it
+        has one, else a CheckpointError naming the first failing rank."""
+        if self.comm is None:
+            if error is not None:
+                raise error
+            return
+        self.raise_gathered(self.allgather(_message(error)), error)
+
+    @staticmethod
+    def raise_gathered(messages: Sequence[str | None], error: BaseException | None) -> None:
+        """`raise_if_any` for error messages already allgathered (`_message` of each)."""
+        if error is not None:
+            raise error
+        failed = [(r, m) for r, m in enumerate(messages) if m is not None]
+        if failed:
+            r, m = failed[0]
+            raise CheckpointError(f"rank {r} failed: {m}")
+
+    def run(self, fn: Callable[[], Any]) -> Any:
+        """`fn()` on every rank; if it raises on any rank, every rank raises."""
+        if self.comm is None:
+            return fn()
+        try:
+            result, error = fn(), None
+        except Exception as e:  # noqa: BLE001 - re-raised on this rank just below
+            result, error = None, e
+        self.raise_if_any(error)
+        return result
+
+    def check_same(self, text: str, what: str) -> None:
+        """Raises on every rank unless `text` is the same on every rank."""
+        digests = self.allgather(hashlib.sha256(text.encode()).hexdigest())
+        differ = [r for r, d in enumerate(digests) if d != digests[0]]
+        if differ:
+            raise CheckpointError(f"ranks {differ} passed a different {what} than rank 0")
+
+
+def _message(error: BaseException | None) -> str | None:
+    return None if error is None else f"{type(error).__name__}: {error}"
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _is_checkpoint(path: str) -> bool:
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, fmt.MANIFEST))
+
+
+def _prepare(target: str, overwrite: bool) -> str:
+    """Rank 0, step 1 of Note: Atomic commit; returns the temp dir."""
+    parent, name = os.path.split(target)
+    os.makedirs(parent, exist_ok=True)
+    olds = sorted(glob.glob(os.path.join(parent, glob.escape(f".{name}.old-") + "*")))
+    if not os.path.lexists(target):
+        complete = [o for o in olds if _is_checkpoint(o)]
+        if complete:  # a crash between the two renames of an earlier save
+            os.rename(complete[-1], target)
+            olds.remove(complete[-1])
+    for old in olds:
+        shutil.rmtree(old, ignore_errors=True)
+    if os.path.lexists(target):
+        if not overwrite:
+            raise CheckpointError(f"{target} exists; pass overwrite=True to replace it")
+        if not _is_checkpoint(target):
+            raise CheckpointError(f"{target} exists and is not a checkpoint; not replacing it")
+    for stale in glob.glob(os.path.join(parent, glob.escape(f".{name}.tmp-") + "*")):
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = os.path.join(parent, f".{name}.tmp-{secrets.token_hex(6)}")
+    os.makedirs(os.path.join(tmp, "arrays"))
+    return tmp
+
+
+def _finish(tmp: str, target: str, manifest: Manifest) -> None:
+    """Rank 0, step 3 of Note: Atomic commit."""
+    with open(os.path.join(tmp, fmt.MANIFEST), "w", encoding="utf-8") as f:
+        f.write(manifest.to_json())
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(os.path.join(tmp, "arrays"))
+    _fsync_dir(tmp)
+    parent, name = os.path.split(target)
+    if os.path.lexists(target):
+        old = os.path.join(parent, f".{name}.old-{secrets.token_hex(6)}")
+        os.rename(target, old)
+        os.rename(tmp, target)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, target)
+    _fsync_dir(parent)
+
+
+def _write_leaf(tmp: str, leaf: fmt.LeafEntry, produce: Producer) -> int:
+    value = np.asarray(produce())
+    if value.shape != leaf.shape or value.dtype != leaf.np_dtype:
+        raise CheckpointError(
+            f"{fmt.format_key_path(leaf.path)} is {value.dtype.name}{list(value.shape)}, "
+            f"the manifest says {leaf.dtype}{list(leaf.shape)}")
+    return fmt.write_npy(os.path.join(tmp, leaf.file), fmt.to_storage(value))
+
+
+def commit_checkpoint(
+    path: str,
+    manifest: Manifest,
+    mine: Sequence[tuple[int, Producer]],
+    ranks: Ranks,
+    *,
+    overwrite: bool = False,
+    progress: Callable[[int, int], None] | None = None,
+) -> tuple[int, int]:
+    """Writes a checkpoint atomically from every rank (see Note: Atomic commit).
+
+    Args:
+      path: the checkpoint directory to create.
+      manifest: the manifest, the same on every rank; leaf i goes to `leaf_file(i)`.
+      mine: (leaf index, function returning its value) for the leaves this rank writes;
+        across ranks every leaf is written exactly once.
+      ranks: the ranks taking part.
+      overwrite: replace an existing checkpoint at `path`.
+      progress: called on every rank after each round with (arrays, bytes) written so
+        far by all ranks.
+
+    Returns:
+      (arrays, bytes) written by all ranks together.
+
+    Raises:
+      CheckpointError (or the failing rank's own error): on every rank, if any failed;
+      `path` is then unchanged.
+    """
+    target = os.path.abspath(path)
+    tmp, error = None, None
+    if ranks.rank == 0:
+        try:
+            tmp = _prepare(target, overwrite)
+        except Exception as e:  # noqa: BLE001 - sent to every rank, raised there
+            error = e
+    tmp, message = ranks.bcast((tmp, _message(error)))
+    ranks.raise_gathered([message], error)
+    try:
+        arrays = total = 0
+        rounds = max(ranks.allgather(len(mine)))
+        for r in range(rounds):
+            wrote, error = None, None
+            if r < len(mine):
+                i, produce = mine[r]
+                try:
+                    wrote = _write_leaf(tmp, manifest.leaves[i], produce)
+                except Exception as e:  # noqa: BLE001 - raised on every rank below
+                    error = e
+            results = ranks.allgather((wrote, _message(error)))
+            ranks.raise_gathered([m for _, m in results], error)
+            arrays += sum(1 for w, _ in results if w is not None)
+            total += sum(w for w, _ in results if w is not None)
+            if progress is not None:
+                progress(arrays, total)
+        error = None
+        if ranks.rank == 0:
+            try:
+                _finish(tmp, target, manifest)
+            except Exception as e:  # noqa: BLE001 - sent to every rank, raised there
+                error = e
+        ranks.raise_gathered([ranks.bcast(_message(error))], error)
+        return arrays, total
+    except Exception:
+        if ranks.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise

@@ -1,0 +1,337 @@
+"""Checkpoints of pytrees of MpmdArrays and plain arrays: atomic save, checked restore.
+
+The files are described in Note: Checkpoint format (checkpoint/format.py), the way they
+are written in Note: Atomic commit (checkpoint/commit.py).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import secrets
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxpp_mpi._src.checkpoint import format as fmt
+from jaxpp_mpi._src.array import MpmdArray, MpmdSharding
+from jaxpp_mpi._src.checkpoint.commit import Producer, Ranks, commit_checkpoint
+from jaxpp_mpi._src.checkpoint.format import CheckpointError, Manifest
+from jaxpp_mpi._src.mesh import MpmdMesh, _mpi_world_size
+from jaxpp_mpi._src.checkpoint.plan import Plan, plan_from_shardings
+
+__all__ = ["load_plan", "load_whole", "read_manifest", "restore", "save", "save_plan"]
+
+
+def ranks_of(mesh: MpmdMesh | None) -> Ranks:
+    """The ranks of `mesh` (this process alone in local mode).
+
+    In MPI mode waits for this rank's pending computations and message chains first
+    (`transport.quiesce`), so no MPI message of a running step is in flight meanwhile.
+
+    Raises:
+      CheckpointError: no mesh is known in a job of several MPI ranks.
+    """
+    if mesh is None:
+        if _mpi_world_size() > 1:
+            raise CheckpointError(
+                "this MPI job has several ranks but the tree holds no MpmdArray: pass "
+                "mesh= so that the ranks can agree on who writes what"
+            )
+        return Ranks(None)
+    if mesh.is_local:
+        return Ranks(None)
+    from jaxpp_mpi._src.mpi import transport
+
+    transport.quiesce()
+    return Ranks(mesh.comm)
+
+
+def _mesh_of(items: Sequence[Any], mesh: MpmdMesh | None) -> MpmdMesh | None:
+    meshes = {x.mpmd_mesh for x in items if isinstance(x, MpmdSharding)}
+    meshes |= {x.mpmd_sharding.mpmd_mesh for x in items if isinstance(x, MpmdArray)}
+    if mesh is not None:
+        meshes.add(mesh)
+    if len(meshes) > 1:
+        raise CheckpointError("the tree's MpmdArrays / shardings live on different meshes")
+    return next(iter(meshes), None)
+
+
+def _abstract(x: Any) -> tuple[tuple[int, ...], np.dtype]:
+    """Shape and dtype of a leaf (Python scalars as numpy makes them)."""
+    if isinstance(x, MpmdArray) or (hasattr(x, "shape") and hasattr(x, "dtype")):
+        return tuple(int(d) for d in x.shape), np.dtype(x.dtype)
+    v = np.asarray(x)
+    return v.shape, v.dtype
+
+
+def save(
+    path: str,
+    tree: Any,
+    step: int | None = None,
+    *,
+    mesh: MpmdMesh | None = None,
+    overwrite: bool = False,
+) -> None:
+    """Saves a pytree of MpmdArrays and plain arrays as a checkpoint directory.
+
+    Every rank calls it with the same tree. An MpmdArray is written once, by the process
+    holding its first group (`mesh_ids[0]`), with its placement; a plain leaf (a
+    `jax.Array`, numpy array or scalar, the same on every rank) is written by rank 0 with
+    no placement. Rank 0 writes the manifest last; the directory appears at `path` only
+    when complete (see Note: Atomic commit).
+
+    Args:
+      path: the checkpoint directory (created; its parent too).
+      tree: the pytree to save; dict keys must be str or int.
+      step: the training step, kept in the manifest.
+      mesh: the MPMD mesh; needed only when the tree holds no MpmdArray in an MPI job.
+      overwrite: replace an existing checkpoint at `path`.
+
+    Raises:
+      CheckpointError: on every rank: an unsupported leaf or dtype, ranks passing
+        different trees, `path` existing, or a write failing on any rank.
+    """
+    paths, leaves, _ = fmt.flatten_with_paths(tree)
+    mesh = _mesh_of(leaves, mesh)
+    ranks = ranks_of(mesh)
+
+    def describe() -> tuple[Manifest, list[tuple[int, Producer]]]:
+        entries, mine = [], []
+        for i, (p, x) in enumerate(zip(paths, leaves)):
+            shape, dtype = _abstract(x)
+            placement = None
+            if isinstance(x, MpmdArray):
+                sharding = x.mpmd_sharding
+                if x.is_deleted():
+                    raise CheckpointError(f"{fmt.format_key_path(p)} was deleted (donated?)")
+                placement = fmt.Placement(sharding.mesh_ids, fmt.encode_spec(sharding.spec))
+                if sharding.mesh_ids[0] in mesh.local_groups:
+                    mine.append((i, lambda x=x: np.asarray(x.first_mpmd_replica)))
+            elif ranks.rank == 0:
+                mine.append((i, lambda x=x: np.asarray(x)))
+            entries.append(fmt.LeafEntry(p, shape, fmt.dtype_name(dtype), fmt.leaf_file(i),
+                                         placement))
+        return Manifest(tuple(entries), step, None if mesh is None else mesh.mpmd_dim), mine
+
+    manifest, mine = ranks.run(describe)
+    ranks.check_same(manifest.to_json(), "tree (key paths, shapes, dtypes, placement)")
+    commit_checkpoint(path, manifest, mine, ranks, overwrite=overwrite)
+
+
+# -- reading ------------------------------------------------------------------------
+
+
+def read_manifest(path: str) -> Manifest:
+    """The checked manifest of the checkpoint directory `path` (no array is read).
+
+    Raises:
+      CheckpointError: no checkpoint at `path`, or a malformed manifest.
+    """
+    file = os.path.join(path, fmt.MANIFEST)
+    if not os.path.isfile(file):
+        parent, name = os.path.split(os.path.abspath(path))
+        olds = glob.glob(os.path.join(parent, glob.escape(f".{name}.old-") + "*"))
+        hint = (f" (an interrupted save left the previous one at {olds[0]}; the next save "
+                "to this path restores it)") if olds else ""
+        raise CheckpointError(f"no checkpoint at {path}: {fmt.MANIFEST} is missing{hint}")
+    return Manifest.from_json(fmt.read_json_file(file, "manifest"), f"{path}/{fmt.MANIFEST}")
+
+
+def read_leaf(path: str, leaf: fmt.LeafEntry) -> np.ndarray:
+    """One leaf's value from checkpoint `path`, checked (see Note: Untrusted files)."""
+    return fmt.read_npy(fmt.resolve_inside(path, leaf.file), leaf.shape, leaf.np_dtype)
+
+
+def _check_like(path: str, manifest: Manifest, paths: list, leaves: list) -> None:
+    have = [leaf.path for leaf in manifest.leaves]
+    problems = []
+    if have != paths:
+        missing = [fmt.format_key_path(p) for p in paths if p not in set(have)]
+        extra = [fmt.format_key_path(p) for p in have if p not in set(paths)]
+        problems += [f"`like` has {m}, the checkpoint does not" for m in missing[:10]]
+        problems += [f"the checkpoint has {e}, `like` does not" for e in extra[:10]]
+        if not problems:
+            problems.append("the leaves are in another order than in `like`")
+    else:
+        for leaf, x in zip(manifest.leaves, leaves):
+            shape, dtype = _abstract(x)
+            if shape != leaf.shape or dtype.name != leaf.dtype:
+                problems.append(f"{fmt.format_key_path(leaf.path)}: checkpoint has "
+                                f"{leaf.dtype}{list(leaf.shape)}, `like` {dtype.name}"
+                                f"{list(shape)}")
+    if problems:
+        raise CheckpointError(f"checkpoint {path} does not match `like`:\n  "
+                              + "\n  ".join(problems[:20]))
+
+
+def _plain_like(value: np.ndarray, like: Any) -> Any:
+    if isinstance(like, jax.Array):
+        return jax.device_put(value, like.sharding)
+    if isinstance(like, jax.ShapeDtypeStruct):
+        return jax.device_put(value, like.sharding) if like.sharding else jax.numpy.asarray(value)
+    if isinstance(like, (bool, int, float, complex, np.generic)):
+        return type(like)(value.item()) if not isinstance(like, np.generic) else value[()]
+    return value
+
+
+def restore(
+    path: str,
+    like: Any,
+    *,
+    shardings: Any = None,
+    mesh: MpmdMesh | None = None,
+) -> Any:
+    """Restores a checkpoint into a pytree placed like `like`.
+
+    The manifest is checked against `like` (key paths, shapes, dtypes) before any array
+    is read. A leaf placed by an `MpmdSharding` (the leaf of `shardings` if given, else
+    the `like` leaf's own, if an MpmdArray) comes back as an MpmdArray; only processes
+    holding one of its groups read its file. Other leaves come back as `like`'s kind: a
+    `jax.Array` with its sharding, a numpy array or scalar, a Python scalar; every
+    process reads them. The placement recorded in the checkpoint does not matter: a
+    checkpoint saved on one layout restores onto any other.
+
+    Args:
+      path: the checkpoint directory.
+      like: a pytree with the checkpoint's key paths; leaves give shape and dtype
+        (MpmdArrays, arrays, `jax.ShapeDtypeStruct`s, scalars).
+      shardings: optional pytree prefix-compatible with `like`, with `MpmdSharding` (or
+        None) leaves, e.g. a sub-tree of `compile(...).in_shardings`.
+      mesh: the MPMD mesh; needed only when nothing in `like` / `shardings` names one in
+        an MPI job.
+
+    Returns:
+      The restored pytree (structure of `like`).
+
+    Raises:
+      CheckpointError: on every rank: no checkpoint, a malformed manifest or file, a
+        mismatch with `like`.
+    """
+    paths, leaves, treedef = fmt.flatten_with_paths(like)
+    if shardings is None:
+        targets = [x.mpmd_sharding if isinstance(x, MpmdArray) else None for x in leaves]
+    else:
+        try:
+            targets = treedef.flatten_up_to(shardings)
+        except (ValueError, TypeError) as e:
+            raise CheckpointError(
+                f"shardings must have the structure of `like` (None for leaves placed as "
+                f"in `like`): {e}") from None
+        bad = [t for t in targets if t is not None and not isinstance(t, MpmdSharding)]
+        if bad:
+            raise CheckpointError(f"shardings leaves must be MpmdSharding or None, got {bad[0]!r}")
+    mesh = _mesh_of(targets, mesh)
+    ranks = ranks_of(mesh)
+
+    def check() -> Manifest:
+        manifest = read_manifest(path)
+        _check_like(path, manifest, paths, leaves)
+        return manifest
+
+    manifest = ranks.run(check)
+
+    def read() -> list[Any]:
+        out = []
+        for leaf, x, target in zip(manifest.leaves, leaves, targets):
+            if target is None:
+                out.append(_plain_like(read_leaf(path, leaf), x))
+                continue
+            local = target.local_mesh_ids
+            value = read_leaf(path, leaf) if local else None
+            arrays = [jax.device_put(value, target.sharding_for(g)) for g in local]
+            out.append(MpmdArray(arrays, target, shape=leaf.shape, dtype=leaf.np_dtype))
+        return out
+
+    return jax.tree.unflatten(treedef, ranks.run(read))
+
+
+def _nest(items: list[tuple[fmt.KeyPath, Any]]) -> Any:
+    if len(items) == 1 and items[0][0] == ():
+        return items[0][1]
+    groups: dict[Any, list] = {}
+    kinds = set()
+    for p, v in items:
+        kinds.add(p[0][0])
+        groups.setdefault(p[0][1], []).append((p[1:], v))
+    children = {k: _nest(g) for k, g in groups.items()}
+    if kinds <= {"idx", "flat"}:
+        return [children.get(i) for i in range(max(children) + 1)]
+    return children
+
+
+def load_whole(path: str, like: Any = None) -> Any:
+    """Every leaf of a checkpoint as numpy arrays, in one process, no MPI and no mesh.
+
+    Works on whole-model and per-stage checkpoints alike (placement is ignored).
+
+    Args:
+      path: the checkpoint directory.
+      like: optional pytree with the checkpoint's key paths; the result then has its
+        structure. Without it the tree is rebuilt from the key paths: dict keys and
+        attribute names become dicts, sequence indexes lists (empty containers are not
+        kept).
+
+    Returns:
+      The pytree of numpy arrays (bfloat16 / float8 as ml_dtypes arrays).
+
+    Raises:
+      CheckpointError: no checkpoint, a malformed manifest or file, a mismatch with
+        `like`.
+    """
+    manifest = read_manifest(path)
+    if like is not None:
+        paths, leaves, treedef = fmt.flatten_with_paths(like)
+        _check_like(path, manifest, paths, leaves)
+        return jax.tree.unflatten(treedef, [read_leaf(path, leaf) for leaf in manifest.leaves])
+    if not manifest.leaves:
+        return {}
+    return _nest([(leaf.path, read_leaf(path, leaf)) for leaf in manifest.leaves])
+
+
+# -- plans --------------------------------------------------------------------------
+
+
+def save_plan(path: str, shardings: Any, like: Any = None) -> Plan:
+    """Writes a placement plan (e.g. `compile(...).in_shardings`, or the sub-tree matching
+    a checkpoint's tree) as JSON, for the reshard utility and `load_plan`.
+
+    In MPI mode every rank calls it; rank 0 writes and the others wait for it.
+
+    Args:
+      path: the JSON file (replaced atomically).
+      shardings: a pytree of `MpmdSharding` (None leaves are skipped).
+      like: optional pytree of arrays with the same key paths: their shapes and dtypes
+        are recorded so that a mismatching checkpoint is caught.
+
+    Returns:
+      The plan written.
+    """
+    plan = plan_from_shardings(shardings, like)
+    mesh = _mesh_of(jax.tree.leaves(shardings), None)
+    ranks = ranks_of(mesh)
+
+    def write() -> None:
+        if ranks.rank != 0:
+            return
+        tmp = f"{path}.tmp-{secrets.token_hex(6)}"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(plan.to_json())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+    ranks.run(write)
+    return plan
+
+
+def load_plan(path: str) -> Plan:
+    """Reads a plan written by `save_plan`; `plan.shardings_like(like, mesh)` turns it
+    into `MpmdSharding`s for `restore`.
+
+    Raises:
+      CheckpointError: a missing or malformed plan file.
+    """
+    return Plan.from_json(fmt.read_json_file(path, "plan"), path)

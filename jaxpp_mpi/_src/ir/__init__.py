@@ -1,0 +1,1 @@
+"""The program IR: instructions, lowering passes, rendezvous simulation (no JAX, no MPI)."""

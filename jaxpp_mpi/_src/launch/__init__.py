@@ -1,0 +1,1 @@
+"""Launching: device binding per rank and the jpprun command line (stdlib only)."""

@@ -1,0 +1,307 @@
+"""Builds the MPI launcher command line for `launch/jpprun` (stdlib only, no JAX, no MPI).
+
+Note: Launcher settings.
+  Everything a workstation launch needs lives here and nowhere else:
+  - Open MPI refuses to run as root unless told (`--allow-run-as-root`); we add it only
+    when the user is root.
+  - Open MPI refuses more ranks than cores unless told (`--oversubscribe`); we add it
+    only when ranks x threads-per-rank exceeds the usable cores.
+  - One rank = T compute threads (default 1): XLA's CPU flags alone do not hold a
+    process to T cores, so ranks are also bound to cores by the launcher when they fit
+    (`--map-by slot:PE=T --bind-to core`); when oversubscribed they are left unbound
+    (binding would stack ranks on the same cores).
+  - A Python program runs as `python -m mpi4py prog`, so an uncaught exception or a
+    non-zero exit on one rank aborts the whole job instead of leaving the others
+    waiting in their next message.
+  - The thread settings reach every rank through the environment (`XLA_FLAGS`,
+    `OMP_NUM_THREADS`, `JAXPP_MPI_THREADS_PER_RANK`), exported with `-x` under Open MPI
+    and `-genv` under MPICH/Hydra.
+  - GPUs (`--gpus-per-rank K`, or by default the visible GPUs shared evenly when there are
+    at least as many as ranks; with fewer, a note and no GPU binding, so a CPU test run
+    on a one-GPU machine still starts): mpirun cannot give each rank different environment
+    values, so every rank starts through `python -m jaxpp_mpi.launch --gpus-per-rank K --`,
+    which reads its local rank and sets `CUDA_VISIBLE_DEVICES` to its K GPUs before
+    exec'ing the program (Note: Device binding in bind.py). `JAXPP_MPI_GPUS_PER_RANK` is
+    exported too, so a script's own `bind_local_devices()` agrees. `--gpus-per-rank 0`,
+    `JAX_PLATFORMS=cpu` or no visible GPU: CPU only, no wrapper.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+
+_THREADS_ENV = "JAXPP_MPI_THREADS_PER_RANK"
+_GPUS_ENV = "JAXPP_MPI_GPUS_PER_RANK"
+_SINGLE_THREAD_XLA = "--xla_cpu_multi_thread_eigen=false"
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchPlan:
+    """What jpprun will run: the argv and the environment entries it adds."""
+
+    argv: tuple[str, ...]
+    env: tuple[tuple[str, str], ...]
+    vendor: str
+    notes: tuple[str, ...] = ()
+
+    def command_line(self) -> str:
+        """The command as a shell line, environment first (what `--dry-run` prints)."""
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env)
+        return (env + " " if env else "") + shlex.join(self.argv)
+
+
+def detect_vendor(mpirun: str) -> str:
+    """Returns 'openmpi', 'mpich' or 'unknown' from `mpirun --version`."""
+    try:
+        out = subprocess.run(
+            [mpirun, "--version"], capture_output=True, text=True, timeout=30
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    text = (out.stdout + out.stderr).lower()
+    if "open mpi" in text or "open-mpi" in text or "openrte" in text or "prte" in text:
+        return "openmpi"
+    if "hydra" in text or "mpich" in text or "intel" in text:
+        return "mpich"
+    return "unknown"
+
+
+def find_mpirun() -> str:
+    """The mpirun next to this Python (the venv's embedded MPI) or else the one on PATH."""
+    local = os.path.join(os.path.dirname(sys.executable), "mpirun")
+    if os.access(local, os.X_OK):
+        return local
+    found = shutil.which("mpirun") or shutil.which("mpiexec")
+    if found is None:
+        raise SystemExit("jpprun: no mpirun found (run `make install`, or put your MPI on PATH)")
+    return found
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (affinity mask, not the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - non-Linux
+        return os.cpu_count() or 1
+
+
+def thread_env(threads: int, base_env: Mapping[str, str]) -> dict[str, str]:
+    """Environment entries that hold each rank's XLA/OpenMP to `threads` threads."""
+    env = {_THREADS_ENV: str(threads), "OMP_NUM_THREADS": str(threads)}
+    if threads == 1:
+        flags = base_env.get("XLA_FLAGS", "")
+        if _SINGLE_THREAD_XLA not in flags.split():
+            flags = (flags + " " + _SINGLE_THREAD_XLA).strip()
+        env["XLA_FLAGS"] = flags
+    return env
+
+
+def gpus_for_ranks(
+    num_ranks: int, gpus_per_rank: int | None, visible_gpus: int, base_env: Mapping[str, str]
+) -> tuple[int, str | None]:
+    """GPUs each rank gets: the given count, else the visible GPUs shared evenly (0: CPU).
+
+    Args:
+      num_ranks: ranks on this machine.
+      gpus_per_rank: `--gpus-per-rank`, or None to decide from what is visible.
+      visible_gpus: GPUs this process may use (CUDA_VISIBLE_DEVICES, else the node's).
+      base_env: the environment (`JAX_PLATFORMS=cpu` means no GPU).
+
+    Returns:
+      GPUs per rank (0 for a CPU-only run), and a note for the user when GPUs are visible
+      but not bound.
+
+    Raises:
+      ValueError: when the GPUs asked for do not go round the ranks.
+    """
+    if gpus_per_rank is None:
+        if visible_gpus == 0 or base_env.get("JAX_PLATFORMS", "").strip().lower() == "cpu":
+            return 0, None
+        if visible_gpus < num_ranks:
+            return 0, (f"{visible_gpus} GPU(s) for {num_ranks} ranks: GPUs not bound "
+                       "(--gpus-per-rank K to bind, 0 to silence this)")
+        return visible_gpus // num_ranks, None
+    if gpus_per_rank < 0:
+        raise ValueError(f"jpprun: --gpus-per-rank must be >= 0, got {gpus_per_rank}")
+    if num_ranks * gpus_per_rank > visible_gpus:
+        raise ValueError(f"jpprun: {num_ranks} ranks x {gpus_per_rank} GPU(s) need "
+                         f"{num_ranks * gpus_per_rank} GPUs, {visible_gpus} visible")
+    return gpus_per_rank, None
+
+
+def build_plan(
+    num_ranks: int,
+    command: Sequence[str],
+    *,
+    threads_per_rank: int = 1,
+    gpus_per_rank: int | None = 0,
+    visible_gpus: int = 0,
+    python: str = "python3",
+    mpirun: str,
+    vendor: str,
+    cores: int,
+    is_root: bool,
+    base_env: Mapping[str, str],
+    extra_mpi_args: Sequence[str] = (),
+) -> LaunchPlan:
+    """Computes the launch command (pure: every fact about the machine is an argument).
+
+    Args:
+      num_ranks: MPI ranks to start (one per pipeline group).
+      command: the program and its arguments, e.g. ("python", "train.py").
+      threads_per_rank: compute threads per rank (see Note: Launcher settings).
+      gpus_per_rank: GPUs per rank; None decides from `visible_gpus` (`gpus_for_ranks`).
+      visible_gpus: GPUs this process may use.
+      python: the interpreter that runs the per-rank GPU binding wrapper.
+      mpirun: path of the MPI launcher.
+      vendor: 'openmpi', 'mpich' or 'unknown' (see `detect_vendor`).
+      cores: usable cores on this machine.
+      is_root: whether the user is root.
+      base_env: the environment jpprun was started with.
+      extra_mpi_args: passed to mpirun verbatim, before the program.
+
+    Returns:
+      The LaunchPlan.
+
+    Raises:
+      ValueError: on a non-positive rank or thread count, an empty command, or GPUs that
+        do not go round the ranks.
+    """
+    if num_ranks < 1:
+        raise ValueError(f"jpprun: -n must be >= 1, got {num_ranks}")
+    if threads_per_rank < 1:
+        raise ValueError(f"jpprun: --threads-per-rank must be >= 1, got {threads_per_rank}")
+    if not command:
+        raise ValueError("jpprun: no program given (e.g. `jpprun -n 2 python train.py`)")
+    env = thread_env(threads_per_rank, base_env)
+    gpus, note = gpus_for_ranks(num_ranks, gpus_per_rank, visible_gpus, base_env)
+    if gpus:
+        env[_GPUS_ENV] = str(gpus)
+        command = [python, "-m", "jaxpp_mpi.launch", "--gpus-per-rank", str(gpus), "--",
+                   *command]
+    oversubscribed = num_ranks * threads_per_rank > cores
+    argv: list[str] = [mpirun, "-n", str(num_ranks)]
+    if vendor == "openmpi":
+        if is_root:
+            argv.append("--allow-run-as-root")
+        if oversubscribed:
+            argv += ["--oversubscribe", "--bind-to", "none"]
+        else:
+            argv += ["--map-by", f"slot:PE={threads_per_rank}", "--bind-to", "core"]
+        for key in env:
+            argv += ["-x", key]
+    elif vendor == "mpich":
+        if not oversubscribed:
+            argv += ["-bind-to", f"core:{threads_per_rank}"]
+        for key, value in env.items():
+            argv += ["-genv", key, value]
+    argv += list(extra_mpi_args)
+    argv += list(command)
+    return LaunchPlan(argv=tuple(argv), env=tuple(sorted(env.items())), vendor=vendor,
+                      notes=(note,) if note else ())
+
+
+_PY_FLAGS_WITH_VALUE = ("-X", "-W", "-Q")
+
+
+def with_abort_on_error(command: Sequence[str], python: str) -> list[str]:
+    """Runs a Python program through `python -m mpi4py`, which aborts the whole MPI job
+    when this rank ends with an uncaught exception or a non-zero exit (otherwise the
+    other ranks wait forever in their next message). Other programs are left alone.
+
+    Args:
+      command: the program and its arguments as given to jpprun.
+      python: the interpreter to use for `python`/`python3`.
+
+    Returns:
+      The command to start on every rank.
+    """
+    command = list(command)
+    if not command or os.path.basename(command[0]) not in ("python", "python3", "python3.11"):
+        return command
+    head, rest = [python], command[1:]
+    while rest and rest[0].startswith("-") and rest[0] not in ("-m", "-c"):
+        flag = rest.pop(0)
+        head.append(flag)
+        if flag in _PY_FLAGS_WITH_VALUE and rest:
+            head.append(rest.pop(0))
+    if rest[:2] == ["-m", "mpi4py"]:
+        return head + rest
+    return head + ["-m", "mpi4py"] + rest
+
+
+def _parse(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="jpprun",
+        description="Start a jaxpp_mpi program under MPI, one pipeline group per rank.",
+        usage="jpprun -n N [--gpus-per-rank K] [--threads-per-rank T] [--dry-run] "
+              "[--mpi-arg ARG]... PROGRAM [ARGS...]",
+    )
+    parser.add_argument("-n", "--np", dest="num_ranks", type=int, required=True)
+    parser.add_argument(
+        "--threads-per-rank",
+        type=int,
+        default=int(os.environ.get(_THREADS_ENV, "1")),
+        help=f"compute threads per rank (default 1, or ${_THREADS_ENV})",
+    )
+    parser.add_argument(
+        "--gpus-per-rank",
+        type=int,
+        default=int(os.environ[_GPUS_ENV]) if _GPUS_ENV in os.environ else None,
+        help="GPUs per rank, bound by local rank (default: the visible GPUs shared "
+             f"evenly, or ${_GPUS_ENV}; 0: CPU only)",
+    )
+    parser.add_argument("--mpirun", default=None, help="MPI launcher (default: the venv's)")
+    parser.add_argument("--mpi-arg", action="append", default=[], help="extra mpirun argument")
+    parser.add_argument("--dry-run", action="store_true", help="print the command, run nothing")
+    parser.add_argument("command", nargs=argparse.REMAINDER)
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of `launch/jpprun`."""
+    args = _parse(sys.argv[1:] if argv is None else argv)
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    command = with_abort_on_error(command, sys.executable)  # the venv's Python on every rank
+    mpirun = args.mpirun or find_mpirun()
+    from jaxpp_mpi._src.launch import bind  # stdlib only; imported here as it imports us
+
+    try:
+        plan = build_plan(
+            args.num_ranks,
+            command,
+            threads_per_rank=args.threads_per_rank,
+            gpus_per_rank=args.gpus_per_rank,
+            visible_gpus=len(bind.visible_gpus(os.environ, bind.count_node_gpus())),
+            python=sys.executable,
+            mpirun=mpirun,
+            vendor=detect_vendor(mpirun),
+            cores=usable_cores(),
+            is_root=hasattr(os, "geteuid") and os.geteuid() == 0,
+            base_env=os.environ,
+            extra_mpi_args=args.mpi_arg,
+        )
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return 2
+    for note in plan.notes:
+        print(f"jpprun: note: {note}", file=sys.stderr)
+    print(f"jpprun: {plan.command_line()}", file=sys.stderr, flush=True)
+    if args.dry_run:
+        return 0
+    env = dict(os.environ)
+    env.update(plan.env)
+    return subprocess.call(list(plan.argv), env=env)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

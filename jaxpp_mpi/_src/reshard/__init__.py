@@ -1,0 +1,1 @@
+"""Layout changes between whole-model (SPMD) and per-group (MPMD) arrays."""

@@ -1,0 +1,74 @@
+"""Stopping cleanly on preemption: every rank agrees to stop after the same step.
+
+Note: preemption.
+  SLURM preempts a job with SIGTERM (`scancel --signal=TERM`, or `--signal=USR1@60`
+  ahead of the time limit), and the signal may reach one rank before the others, or
+  only some of them. `PreemptionGuard` catches the signals (the handler only sets a
+  flag) and `should_stop()`, called by every rank at the same point of the training
+  loop, turns the flags into one decision with a max-allreduce over the mesh's
+  communicator: all ranks stop after the same step, write their checkpoint, and exit 0;
+  the next run of the same command restores it. The allreduce is a host-side collective
+  of one integer and waits for no device work.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Sequence
+from types import FrameType
+from typing import Any
+
+__all__ = ["PreemptionGuard"]
+
+
+class PreemptionGuard:
+    """Catches preemption signals and decides, on all ranks alike, when to stop.
+
+    Example:
+      with jaxpp_mpi.PreemptionGuard(mesh) as guard:
+          for step in range(start, num_steps):
+              state = train_step(state, batch)
+              if guard.should_stop():
+                  checkpoint.save(ckpt_dir, state, step + 1)
+                  break
+
+    Args:
+      mpmd_mesh: the job's `MpmdMesh` (MPI mode: its communicator decides; local mode:
+        this process alone).
+      signals: the signals meaning "stop after this step" (default SIGTERM and SIGUSR1).
+    """
+
+    def __init__(self, mpmd_mesh: Any,
+                 signals: Sequence[signal.Signals] = (signal.SIGTERM, signal.SIGUSR1)):
+        self._comm = None if mpmd_mesh.is_local else mpmd_mesh.comm
+        self._signals = tuple(signals)
+        self._previous: dict[signal.Signals, Any] = {}
+        self.received: signal.Signals | None = None  # the first signal caught here
+        self.stopped = False  # set once should_stop() has returned True
+
+    def __enter__(self) -> PreemptionGuard:
+        for sig in self._signals:
+            self._previous[sig] = signal.signal(sig, self._catch)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _catch(self, signum: int, frame: FrameType | None) -> None:
+        if self.received is None:
+            self.received = signal.Signals(signum)
+
+    def should_stop(self) -> bool:
+        """True on every rank iff some rank caught a signal (collective in MPI mode:
+        every rank must call it at the same point of the loop)."""
+        mine = int(self.received is not None)
+        if self._comm is None:
+            decided = bool(mine)
+        else:
+            from jaxpp_mpi._src.mpi import transport
+
+            decided = bool(transport.allreduce_max_int(mine, self._comm))
+        self.stopped = self.stopped or decided
+        return decided

@@ -1,0 +1,1 @@
+"""Pipeline schedules: tasks, the library, the checker, CSV schedules, the CLI."""

@@ -1,0 +1,1 @@
+"""Seeing a step: per-task timing, Chrome traces, Gantt charts."""

@@ -1,0 +1,262 @@
+"""Timelines of pipeline steps as Chrome-trace JSON (Perfetto, chrome://tracing).
+
+Note: trace format.
+  `export` writes the JSON Object Format of the Trace Event Format:
+  `{"traceEvents": [...], "displayTimeUnit": "ms", "otherData": {...}}`. Each process
+  track is an MPI rank (`pid` = rank; local mode: one process, `pid` 0) and each thread
+  track an MPMD group (`tid` = group), named by `process_name` / `thread_name` metadata
+  events (`"ph": "M"`). Every `TraceEvent` (see `Note: trace events`) becomes one
+  complete event (`"ph": "X"`): a timed Run has `cat` 'task', its task label as `name`
+  and args `kind` ('F', 'B', 'I', 'W'; fused tasks join kinds with '+', as 'F+B'; code
+  outside the microbatch loop is 'pre' or 'post'), `microbatch` and `stage` (lists for a
+  fused task, absent outside the loop); a message instruction has `cat` 'message', its
+  kind ('send', 'recv', 'sendrecv', 'transfer') as `name`, and its peer(s), tag(s),
+  buffer(s) and bytes as args. `ts` and `dur` are microseconds from the earliest event;
+  `otherData.start_unix_ns` is that event's wall-clock time.
+
+Note: trace clocks.
+  Events carry `time.time_ns()` readings. Ranks on one host read the same clock, so
+  their times are compared as they are. The clock of a rank on another host than rank 0
+  is put on rank 0's by ping-pong with rank 0 (`transport.clock_offsets_ns`: the shortest
+  of 8 round trips, error at most half of it, microseconds on a cluster network), not
+  left to NTP, which can be milliseconds off: a pipeline's tasks are often shorter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+from jaxpp_mpi._src.timeline.timing import TraceEvent, record_trace_events
+
+__all__ = ["TaskPart", "chrome_trace", "export", "load", "parse_label", "record"]
+
+_PART = re.compile(r"([FBIW])(\d+)s(\d+)")
+_SEGMENT = re.compile(r"(pre|post)\d*g\d+")  # code outside the loop: 'preg0', 'post1g0'
+_NOT_LETTER = re.compile(r"[^A-Za-z].*")
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskPart:
+    """One task of a task label: 'F3s1' is `TaskPart('F', 3, 1)`; 'preg0' is
+    `TaskPart('pre', None, None)` (code outside the microbatch loop)."""
+
+    kind: str
+    microbatch: int | None
+    stage: int | None
+
+
+def parse_label(label: str) -> tuple[TaskPart, ...]:
+    """The tasks of a Run's task label, fused parts ('F3s1+B1s1') in order.
+
+    Code outside the microbatch loop ('preg0', 'post1g0': segment, level, group) is kind
+    'pre' or 'post'; any other part keeps its leading letters as its kind ('' -> 'other').
+    """
+    parts = []
+    for text in label.split("+"):
+        m = _PART.fullmatch(text)
+        segment = _SEGMENT.fullmatch(text)
+        if m:
+            parts.append(TaskPart(m[1], int(m[2]), int(m[3])))
+        elif segment:
+            parts.append(TaskPart(segment[1], None, None))
+        else:
+            parts.append(TaskPart(_NOT_LETTER.sub("", text) or "other", None, None))
+    return tuple(parts)
+
+
+def record() -> contextlib.AbstractContextManager[list[TraceEvent]]:
+    """Context manager: records this process's `TraceEvent`s of the steps run inside.
+
+    The same as `jaxpp_mpi._src.timeline.timing.record_trace_events` (see `Note: trace events`):
+    steps inside run timed, one instruction at a time, so record one step after a
+    warm-up one, then `export` the list.
+
+    Example:
+      with jaxpp_mpi.trace.record() as events:
+          state = step(*state, batch)
+      jaxpp_mpi.trace.export("step.json", events, mesh)
+
+    Returns:
+      A context manager yielding the list the executors append events to.
+    """
+    return record_trace_events()
+
+
+def _task_args(label: str) -> dict[str, Any]:
+    parts = parse_label(label)
+    args: dict[str, Any] = {"kind": "+".join(p.kind for p in parts)}
+    if all(p.microbatch is not None for p in parts):
+        one = len(parts) == 1
+        args["microbatch"] = parts[0].microbatch if one else [p.microbatch for p in parts]
+        args["stage"] = parts[0].stage if one else [p.stage for p in parts]
+    return args
+
+
+def _jsonable(value: Any) -> Any:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if hasattr(value, "__index__"):
+        return int(value)
+    return str(value)
+
+
+def _events_of(per_process: Sequence[Sequence[TraceEvent]]) -> Iterator[tuple[int, TraceEvent]]:
+    for pid, events in enumerate(per_process):
+        for e in events:
+            yield pid, e
+
+
+def chrome_trace(
+    per_process: Sequence[Sequence[TraceEvent]],
+    *,
+    offsets_ns: Sequence[int] | None = None,
+    local: bool = False,
+    other_data: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Builds a Chrome trace (see `Note: trace format`) from each process's events.
+
+    Args:
+      per_process: the events of rank 0, 1, ... (local mode: one list, all groups).
+      offsets_ns: per process, ns added to its times to put them on one clock
+        (see `Note: trace clocks`); zeros if None.
+      local: name the one process 'local' instead of 'rank 0'.
+      other_data: extra entries for the trace's `otherData` (e.g. the schedule).
+
+    Returns:
+      The trace as a JSON-ready dict.
+
+    Raises:
+      ValueError: if `offsets_ns` does not have one entry per process.
+    """
+    offsets = list(offsets_ns) if offsets_ns is not None else [0] * len(per_process)
+    if len(offsets) != len(per_process):
+        raise ValueError(f"{len(offsets)} clock offsets for {len(per_process)} processes")
+    timed = [(pid, e, e.start_ns + offsets[pid]) for pid, e in _events_of(per_process)]
+    origin = min((start for _, _, start in timed), default=0)
+    meta: list[dict[str, Any]] = []
+    for pid, events in enumerate(per_process):
+        pname = "local" if local else f"rank {pid}"
+        meta.append({"name": "process_name", "ph": "M", "pid": pid, "tid": 0,
+                     "args": {"name": pname}})
+        meta.append({"name": "process_sort_index", "ph": "M", "pid": pid, "tid": 0,
+                     "args": {"sort_index": pid}})
+        for group in sorted({e.group for e in events}):
+            meta.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": group,
+                         "args": {"name": f"group {group}"}})
+            meta.append({"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": group,
+                         "args": {"sort_index": group}})
+    slices = []
+    for pid, e, start in sorted(timed, key=lambda t: (t[2], t[0], t[1].group)):
+        args = {"group": e.group, **{k: _jsonable(v) for k, v in e.args.items()}}
+        if e.cat == "task":
+            args.update(_task_args(e.name))
+        slices.append({"name": e.name, "cat": e.cat, "ph": "X", "pid": pid, "tid": e.group,
+                       "ts": (start - origin) / 1e3, "dur": (e.end_ns - e.start_ns) / 1e3,
+                       "args": args})
+    data = {"start_unix_ns": origin, "clock_offsets_ns": offsets,
+            "processes": len(per_process), "mode": "local" if local else "mpi"}
+    data.update(other_data or {})
+    return {"traceEvents": meta + slices, "displayTimeUnit": "ms", "otherData": data}
+
+
+def _write_json(path: str | os.PathLike, trace: Mapping[str, Any]) -> None:
+    """Writes `trace` to `path` atomically (a temporary file, then a rename)."""
+    path = os.fspath(path)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(trace, f, separators=(",", ":"))
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def _encode(events: Sequence[TraceEvent]) -> bytes:
+    rows = [[e.name, e.cat, e.group, e.start_ns, e.end_ns,
+             {k: _jsonable(v) for k, v in e.args.items()}] for e in events]
+    return json.dumps(rows).encode()
+
+
+def _decode(data: bytes) -> list[TraceEvent]:
+    return [TraceEvent(str(n), str(c), int(g), int(s), int(t), dict(a))
+            for n, c, g, s, t, a in json.loads(data)]
+
+
+def export(
+    path: str | os.PathLike,
+    events: Sequence[TraceEvent],
+    mpmd_mesh: Any,
+    *,
+    root: int = 0,
+    other_data: Mapping[str, Any] | None = None,
+) -> dict[str, Any] | None:
+    """Writes the Chrome trace of every rank's `events` to `path` on rank `root`.
+
+    In MPI mode this is collective over the mesh's communicator: every rank calls it
+    with its own events (from `record`); they are gathered to `root` as JSON (no
+    pickle), put on root's clock (see `Note: trace clocks`) and written there; a failure
+    to write raises on every rank. In local mode the one process writes its events.
+
+    Args:
+      path: the JSON file to write (its directory is created; written atomically).
+      events: this process's events of the recorded step(s).
+      mpmd_mesh: the `MpmdMesh` the step ran on.
+      root: the rank that writes the file.
+      other_data: extra entries for the trace's `otherData`.
+
+    Returns:
+      The trace dict on the rank that wrote it, None on the others.
+
+    Raises:
+      OSError: on every rank, if `root` could not write `path`.
+    """
+    if mpmd_mesh.is_local:
+        trace = chrome_trace([list(events)], local=True, other_data=other_data)
+        _write_json(path, trace)
+        return trace
+    from jaxpp_mpi._src.mpi import transport  # the only module importing MPI
+
+    comm = mpmd_mesh.comm.Dup()  # private tags: nothing can match a runtime message
+    try:
+        gathered = transport.gather_bytes(_encode(events), comm, root)
+        offsets = transport.clock_offsets_ns(comm, root)
+        trace, error = None, ""
+        if gathered is not None:
+            trace = chrome_trace([_decode(b) for b in gathered], offsets_ns=offsets,
+                                 other_data=other_data)
+            try:
+                _write_json(path, trace)
+            except (OSError, TypeError, ValueError) as e:  # raised on every rank below
+                error = f"rank {root} could not write the trace to {path}: {e}"
+        error = transport.bcast_bytes(error.encode(), comm, root).decode()
+    finally:
+        comm.Free()
+    if error:
+        raise OSError(error)
+    return trace
+
+
+def load(path: str | os.PathLike) -> dict[str, Any]:
+    """Reads a Chrome trace written by `export` (parsed as JSON data only).
+
+    Raises:
+      ValueError: if the file is not a JSON object with a `traceEvents` list.
+    """
+    with open(path) as f:
+        try:
+            trace = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not JSON: {e}") from e
+    if not isinstance(trace, dict) or not isinstance(trace.get("traceEvents"), list):
+        raise ValueError(f"{path} is not a Chrome trace: no 'traceEvents' list at the top")
+    return trace
