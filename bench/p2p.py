@@ -26,7 +26,8 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpp_mpi._src.ir.program import Aval
-from jaxpp_mpi._src.mpi import transport
+from jaxpp_mpi._src.mpi import chains
+from jaxpp_mpi._src.mpi import collectives
 from jaxpp_mpi._src.mpi.heap import tune_heap
 from jaxpp_mpi._src.runtime.mpi import ShardPlan, _Messenger
 
@@ -49,7 +50,7 @@ def bench_size(comm, nbytes: int, reps: int) -> dict:
     mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
     plan = ShardPlan(Aval((n,), "float32"), NamedSharding(mesh, PartitionSpec()))
     messenger = _Messenger(comm, 1)
-    chain = transport.Chain(jax.devices()[0])
+    chain = chains.Chain(jax.devices()[0])
     (_, send), (_, recv) = messenger.send(plan, 0, peer, 0), messenger.recv(plan, 0, peer, 0)
 
     def chain_step():
@@ -62,8 +63,8 @@ def bench_size(comm, nbytes: int, reps: int) -> dict:
             (chain.order,) = send(chain.order, y)
             chain.wait()
 
-    e_send = jax.jit(lambda x: transport.send(x, peer, 1, comm))
-    e_recv = jax.jit(lambda: transport.recv((n,), jnp.float32, peer, 1, comm))
+    e_send = jax.jit(lambda x: collectives.send(x, peer, 1, comm))
+    e_recv = jax.jit(lambda: collectives.recv((n,), jnp.float32, peer, 1, comm))
 
     def effect_step():
         if rank == 0:
@@ -105,7 +106,7 @@ def main() -> None:
     parser.add_argument("--no-heap-tuning", action="store_true",
                         help="keep glibc's malloc defaults (see mpi/heap.py)")
     args = parser.parse_args()
-    comm = transport.world_dup()
+    comm = collectives.world_dup()
     if not args.no_heap_tuning:  # as the MPI executor does (Note: large buffers)
         tune_heap()
     if comm.size != 2:
@@ -118,7 +119,7 @@ def main() -> None:
             "machine": platform.node(),
             "cpus": os.cpu_count(),
             "jax": jax.__version__,
-            "mpi": transport.library_version(),
+            "mpi": collectives.library_version(),
             "heap_tuning": not args.no_heap_tuning,
             "rows": rows,
         }

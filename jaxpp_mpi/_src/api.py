@@ -347,9 +347,9 @@ def _describe(error: BaseException | None) -> str | None:
 
 
 def _allgather(mesh: MpmdMesh, obj: Any) -> list[Any]:
-    from jaxpp_mpi._src.mpi import transport  # the only module importing mpi4py
+    from jaxpp_mpi._src.mpi import collectives  # the MPI layer (imports mpi4py)
 
-    return transport.allgather_object(obj, mesh.comm)
+    return collectives.allgather_object(obj, mesh.comm)
 
 
 def _raise_gathered(name: str, messages: list[str | None], error: Exception | None,

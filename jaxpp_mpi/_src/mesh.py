@@ -14,7 +14,7 @@ Note: Mesh modes.
   which every rank sees the same way, so mode errors are raised on every rank alike.
 
 Note: Default communicator.
-  In MPI mode without an explicit `comm`, the mesh takes `transport.world_dup()` (a
+  In MPI mode without an explicit `comm`, the mesh takes `collectives.world_dup()` (a
   duplicate of COMM_WORLD) once, at construction. `Dup` is collective: build an
   `MpmdMesh` at the same point of the program on every rank, and once per program
   (communicators are a finite resource in some MPI libraries). Nothing here imports
@@ -61,9 +61,9 @@ def _mpi_world_size() -> int:
 
 
 def _default_comm() -> Comm:
-    from jaxpp_mpi._src.mpi import transport  # the only module importing mpi4py
+    from jaxpp_mpi._src.mpi import collectives  # the MPI layer (imports mpi4py)
 
-    return transport.world_dup()
+    return collectives.world_dup()
 
 
 def _is_addressable(device: Any) -> bool:
@@ -87,7 +87,7 @@ class MpmdMesh:
         absent).
       mpmd_axis_name: the axis that separates the groups.
       comm: the communicator whose rank `r` is MPMD index `r` (MPI mode). Defaults to
-        `transport.world_dup()` in MPI mode and to none in local mode. A communicator
+        `collectives.world_dup()` in MPI mode and to none in local mode. A communicator
         of size 1 may be given with a local-mode mesh.
 
     Raises:
@@ -365,7 +365,7 @@ def make_mpmd_mesh(
     Local mode when no `comm` is given, the MPI job has one process, the MPMD axis is
     larger than 1 and this process has all `prod(axis_shapes)` devices (the first ones
     are used); mpi4py is not imported then. Otherwise MPI mode: rank `r` of `comm`
-    (default `transport.world_dup()`) gets group `r`, built from its local devices.
+    (default `collectives.world_dup()`) gets group `r`, built from its local devices.
 
     Unlike `jax.make_mesh`, axes default to `AxisType.Auto`: stage executables are
     partitioned by XLA's automatic sharding propagation.

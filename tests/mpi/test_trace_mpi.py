@@ -13,7 +13,7 @@ from trace_schema import check_chrome_trace, program_tasks, task_counts
 
 import jaxpp_mpi
 import jaxpp_mpi.trace
-from jaxpp_mpi._src.mpi import transport
+from jaxpp_mpi._src.mpi import collectives
 
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.rank, WORLD.size
@@ -65,12 +65,12 @@ def test_trace_write_failure_raises_on_every_rank(mesh):
 @pytest.mark.mpi(min_size=2)
 def test_clock_offsets_by_ping_pong():
     """Forced ping-pong on one host measures an offset near the true 0."""
-    offsets = transport.clock_offsets_ns(WORLD, root=0, always=True)
+    offsets = collectives.clock_offsets_ns(WORLD, root=0, always=True)
     if RANK == 0:
         assert len(offsets) == SIZE and offsets[0] == 0
         assert all(abs(o) < 100_000_000 for o in offsets), offsets  # < 0.1 s, loaded CI
     else:
         assert offsets is None
-    data = transport.gather_bytes(b"x" * RANK, WORLD, root=SIZE - 1)
+    data = collectives.gather_bytes(b"x" * RANK, WORLD, root=SIZE - 1)
     assert data == ([b"x" * r for r in range(SIZE)] if RANK == SIZE - 1 else None)
-    assert transport.bcast_bytes(b"hello" if RANK == 1 else None, WORLD, root=1) == b"hello"
+    assert collectives.bcast_bytes(b"hello" if RANK == 1 else None, WORLD, root=1) == b"hello"

@@ -10,9 +10,11 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from jaxpp_mpi._src.mpi import transport
+from jaxpp_mpi._src.mpi import chains
+from jaxpp_mpi._src.mpi import collectives
+from jaxpp_mpi._src.mpi import wire
 
-COMM = transport.world_dup()
+COMM = collectives.world_dup()
 RANK, SIZE = COMM.rank, COMM.size
 DTYPES = [jnp.float32, jnp.bfloat16]
 SHAPE = (3, 257)  # odd sizes; ~1.5-3 KiB per message
@@ -47,10 +49,10 @@ def test_send_recv_pairs(dtype):
     @jax.jit
     def exchange(x):
         if RANK % 2 == 0:
-            transport.send(x, peer, tag=7, comm=COMM)
-            return transport.recv(x.shape, x.dtype, peer, tag=8, comm=COMM)
-        got = transport.recv(x.shape, x.dtype, peer, tag=7, comm=COMM)
-        transport.send(x, peer, tag=8, comm=COMM)
+            collectives.send(x, peer, tag=7, comm=COMM)
+            return collectives.recv(x.shape, x.dtype, peer, tag=8, comm=COMM)
+        got = collectives.recv(x.shape, x.dtype, peer, tag=7, comm=COMM)
+        collectives.send(x, peer, tag=8, comm=COMM)
         return got
 
     assert_bits_equal(exchange(x), data_of(peer, dtype))
@@ -62,7 +64,7 @@ def test_sendrecv_ring(dtype):
     right, left = (RANK + 1) % SIZE, (RANK - 1) % SIZE
     x = data_of(RANK, dtype)
     ring = jax.jit(
-        lambda x: transport.sendrecv(x, right, 3, x.shape, x.dtype, left, 3, COMM)
+        lambda x: collectives.sendrecv(x, right, 3, x.shape, x.dtype, left, 3, COMM)
     )
     assert_bits_equal(ring(x), data_of(left, dtype))
 
@@ -73,14 +75,14 @@ def test_sendrecv_ring(dtype):
 def test_bcast(dtype, root):
     root = root % SIZE
     x = data_of(RANK, dtype)
-    got = jax.jit(functools.partial(transport.bcast, root=root, comm=COMM))(x)
+    got = jax.jit(functools.partial(collectives.bcast, root=root, comm=COMM))(x)
     assert_bits_equal(got, data_of(root, dtype))
 
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_allgather(dtype):
-    got = jax.jit(functools.partial(transport.allgather, comm=COMM))(data_of(RANK, dtype))
+    got = jax.jit(functools.partial(collectives.allgather, comm=COMM))(data_of(RANK, dtype))
     # numpy, not jnp.stack: XLA's stack would canonicalise the NaN payloads.
     want = np.stack([np.asarray(data_of(r, dtype)) for r in range(SIZE)])
     assert_bits_equal(got, want)
@@ -91,7 +93,7 @@ def test_large_message_rendezvous():
     # 8 MiB: beyond every eager limit, so this exercises the rendezvous protocol.
     x = data_of(RANK, jnp.float32, (2048, 1024))
     right, left = (RANK + 1) % SIZE, (RANK - 1) % SIZE
-    got = jax.jit(lambda x: transport.sendrecv(x, right, 1, x.shape, x.dtype, left, 1, COMM))(x)
+    got = jax.jit(lambda x: collectives.sendrecv(x, right, 1, x.shape, x.dtype, left, 1, COMM))(x)
     assert_bits_equal(got, data_of(left, jnp.float32, (2048, 1024)))
 
 
@@ -101,9 +103,9 @@ def test_runtime_communicator_is_not_comm_world():
 
 
 def test_wire_dtypes():
-    assert transport.wire_dtype(jnp.bfloat16) == np.uint16
-    assert transport.wire_dtype(jnp.float32) == np.float32
-    assert transport.wire_dtype(jnp.float8_e4m3fn) == np.uint8
+    assert wire.wire_dtype(jnp.bfloat16) == np.uint16
+    assert wire.wire_dtype(jnp.float32) == np.float32
+    assert wire.wire_dtype(jnp.float8_e4m3fn) == np.uint8
 
 
 # ------------------------------------------------------------------ message chains
@@ -122,13 +124,13 @@ def test_chain_runs_several_calls_in_one_computation(dtype):
     if even:
         ops = (("send", peer, 1), ("recv", peer, 2, SHAPE, jnp.dtype(dtype).name),
                ("sendrecv", peer, 3, 3, SHAPE, jnp.dtype(dtype).name))
-        fn = jax.jit(transport.chain_fn(ops, COMM))
-        order, got, swapped = fn(transport.Chain(jax.devices()[0]).order, x, x + x)
+        fn = jax.jit(chains.chain_fn(ops, COMM))
+        order, got, swapped = fn(chains.Chain(jax.devices()[0]).order, x, x + x)
     else:
         ops = (("recv", peer, 1, SHAPE, jnp.dtype(dtype).name), ("send", peer, 2),
                ("sendrecv", peer, 3, 3, SHAPE, jnp.dtype(dtype).name))
-        fn = jax.jit(transport.chain_fn(ops, COMM))
-        order, got, swapped = fn(transport.Chain(jax.devices()[0]).order, x, x + x)
+        fn = jax.jit(chains.chain_fn(ops, COMM))
+        order, got, swapped = fn(chains.Chain(jax.devices()[0]).order, x, x + x)
     want = data_of(peer, dtype)
     assert_bits_equal(got, want)
     assert_bits_equal(swapped, want + want)
@@ -144,9 +146,9 @@ def test_chains_dispatched_without_blocking_keep_program_order():
     if peer >= SIZE:
         return
     dev = jax.devices()[0]
-    chain = transport.Chain(dev)
-    send = jax.jit(transport.chain_fn((("send", peer, 5),), COMM))
-    recv = jax.jit(transport.chain_fn((("recv", peer, 5, (1024,), "float32"),), COMM))
+    chain = chains.Chain(dev)
+    send = jax.jit(chains.chain_fn((("send", peer, 5),), COMM))
+    recv = jax.jit(chains.chain_fn((("recv", peer, 5, (1024,), "float32"),), COMM))
     got = []
     for k in range(40):
         sending = (k % 2 == 0) == (RANK % 2 == 0)

@@ -29,7 +29,7 @@ def ranks_of(mesh: MpmdMesh | None) -> Ranks:
     """The ranks of `mesh` (this process alone in local mode).
 
     In MPI mode waits for this rank's pending computations and message chains first
-    (`transport.quiesce`), so no MPI message of a running step is in flight meanwhile.
+    (`chains.quiesce`), so no MPI message of a running step is in flight meanwhile.
 
     Raises:
       CheckpointError: no mesh is known in a job of several MPI ranks.
@@ -43,9 +43,9 @@ def ranks_of(mesh: MpmdMesh | None) -> Ranks:
         return Ranks(None)
     if mesh.is_local:
         return Ranks(None)
-    from jaxpp_mpi._src.mpi import transport
+    from jaxpp_mpi._src.mpi import chains
 
-    transport.quiesce()
+    chains.quiesce()
     return Ranks(mesh.comm)
 
 

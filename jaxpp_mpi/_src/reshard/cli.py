@@ -163,9 +163,9 @@ def convert(
 def _job_ranks() -> Ranks:
     if _mpi_world_size() <= 1:
         return Ranks(None)
-    from jaxpp_mpi._src.mpi import transport  # the only module importing mpi4py
+    from jaxpp_mpi._src.mpi import collectives  # the MPI layer (imports mpi4py)
 
-    return Ranks(transport.world_dup())
+    return Ranks(collectives.world_dup())
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

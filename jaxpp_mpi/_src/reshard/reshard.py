@@ -295,10 +295,10 @@ def _agree(mesh: MpmdMesh, error: str | None, leaves: list[_Leaf], threshold: in
         if error:
             raise ValueError(error)
         return threshold
-    from jaxpp_mpi._src.mpi import transport
+    from jaxpp_mpi._src.mpi import collectives
 
     sig = None if error else [(f.path, f.shape, f.dtype.name, str(f.mpmd)) for f in leaves]
-    reports = transport.allgather_object((error, sig, threshold), mesh.comm)
+    reports = collectives.allgather_object((error, sig, threshold), mesh.comm)
     bad = [(r, e) for r, (e, _, _) in enumerate(reports) if e]
     if bad:
         ranks = [r for r, _ in bad]
@@ -365,43 +365,43 @@ def _collective(factory: Callable, comm: Any, *params: Any) -> Callable:
 
 
 def _allgather_fn(comm, d: int, out):
-    from jaxpp_mpi._src.mpi import transport
+    from jaxpp_mpi._src.mpi import collectives
 
-    return jax.jit(lambda b: _merge(transport.allgather(b, comm), d), out_shardings=out)
+    return jax.jit(lambda b: _merge(collectives.allgather(b, comm), d), out_shardings=out)
 
 
 def _gather_fn(comm, d: int, root: int, out):
-    from jaxpp_mpi._src.mpi import transport
+    from jaxpp_mpi._src.mpi import collectives
 
     if out is None:  # not the root: send only
-        return jax.jit(lambda b: [transport.gather(b, root, comm)][:0])
-    return jax.jit(lambda b: _merge(transport.gather(b, root, comm), d), out_shardings=out)
+        return jax.jit(lambda b: [collectives.gather(b, root, comm)][:0])
+    return jax.jit(lambda b: _merge(collectives.gather(b, root, comm), d), out_shardings=out)
 
 
 def _bcast_send_fn(comm, root: int):
-    from jaxpp_mpi._src.mpi import transport
+    from jaxpp_mpi._src.mpi import collectives
 
-    return jax.jit(lambda v: [transport.bcast(v, root, comm)][:0])
+    return jax.jit(lambda v: [collectives.bcast(v, root, comm)][:0])
 
 
 def _bcast_recv_fn(comm, shape: tuple, dtype: str, root: int, out):
-    from jaxpp_mpi._src.mpi import transport
+    from jaxpp_mpi._src.mpi import collectives
 
-    return jax.jit(lambda: transport.bcast(jnp.zeros(shape, dtype), root, comm),
+    return jax.jit(lambda: collectives.bcast(jnp.zeros(shape, dtype), root, comm),
                    out_shardings=out)
 
 
 def _scatter_send_fn(comm, d: int, n: int, root: int, out):
-    from jaxpp_mpi._src.mpi import transport
+    from jaxpp_mpi._src.mpi import collectives
 
-    return jax.jit(lambda v: transport.scatter(_split(v, d, n), root, comm),
+    return jax.jit(lambda v: collectives.scatter(_split(v, d, n), root, comm),
                    out_shardings=out)
 
 
 def _scatter_recv_fn(comm, shape: tuple, dtype: str, root: int, out):
-    from jaxpp_mpi._src.mpi import transport
+    from jaxpp_mpi._src.mpi import collectives
 
-    return jax.jit(lambda: transport.scatter(jnp.zeros(shape, dtype), root, comm),
+    return jax.jit(lambda: collectives.scatter(jnp.zeros(shape, dtype), root, comm),
                    out_shardings=out)
 
 

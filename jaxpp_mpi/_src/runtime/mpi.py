@@ -2,7 +2,7 @@
 
 Note: messages.
   A Send, Recv or SendRecv becomes calls of small single-device jitted *message chains*
-  (`Note: message chains` in transport.py), compiled before the first step: mpi4jax's
+  (`Note: message chains` in mpi/chains.py), compiled before the first step: mpi4jax's
   MPI calls without its ordered effect, ordered instead by one `order` array that every
   chain of this rank takes and returns (moved between devices when consecutive chains
   run on different devices), so this rank's MPI calls happen in program order. A value
@@ -38,7 +38,8 @@ from jaxpp_mpi._src.config import Options
 from jaxpp_mpi._src.ir.program import Aval, Free, GroupProgram, Program, Recv, Run, Send, SendRecv
 from jaxpp_mpi._src.ir.simulate import verify
 from jaxpp_mpi._src.timeline.timing import active_task_times
-from jaxpp_mpi._src.mpi import transport
+from jaxpp_mpi._src.mpi import chains
+from jaxpp_mpi._src.mpi import collectives
 from jaxpp_mpi._src.runtime.executor import (
     BufferLayout,
     Executable,
@@ -117,7 +118,7 @@ def _compiled(fn: Callable, args: list, in_sh, out_sh):
 
 
 class _Messenger:
-    """Pre-compiled message chains (`Note: message chains` in transport.py), one per
+    """Pre-compiled message chains (`Note: message chains` in mpi/chains.py), one per
     distinct (kind, shapes, dtypes, device, peer, tags), each `fn(order, *x) -> (order,
     *received)` on one device."""
 
@@ -135,7 +136,7 @@ class _Messenger:
         order = jax.ShapeDtypeStruct((), np.int32, sharding=order_sh)
         structs = [jax.ShapeDtypeStruct(shape, dtype, sharding=sh)
                    for (shape, dtype), sh in zip(send_shapes, send_shardings)]
-        return _compiled(transport.chain_fn(ops, self.comm), [order, *structs],
+        return _compiled(chains.chain_fn(ops, self.comm), [order, *structs],
                          (order_sh, *send_shardings), (order_sh, *recv_shardings))
 
     def send(self, plan: ShardPlan, j: int, dst: int, tag: int):
@@ -197,7 +198,7 @@ class MpiExecutor:
         group_size = sharding(Aval((), "int32")).mesh.devices.size
         self._check_tags(gp, group_size, comm)
         self._messenger = _Messenger(comm, group_size)
-        self._chain = transport.Chain(sharding(Aval((), "int32")).mesh.devices.flat[0])
+        self._chain = chains.Chain(sharding(Aval((), "int32")).mesh.devices.flat[0])
         self._plans: dict[Aval, ShardPlan] = {}
         self._sharding = sharding
         tables: list[Mapping[str, Executable]] = [{} for _ in range(program.num_groups)]
@@ -229,7 +230,7 @@ class MpiExecutor:
         if not tags:
             return
         top = max(tags) * group_size + group_size - 1
-        ub = comm.Get_attr(transport.MPI.TAG_UB)
+        ub = comm.Get_attr(collectives.MPI.TAG_UB)
         if ub is not None and top > ub:
             raise ValueError(
                 f"group {gp.mpmd_idx}'s program needs MPI tags up to {top}, above this MPI's "

@@ -67,8 +67,8 @@ class PreemptionGuard:
         if self._comm is None:
             decided = bool(mine)
         else:
-            from jaxpp_mpi._src.mpi import transport
+            from jaxpp_mpi._src.mpi import collectives
 
-            decided = bool(transport.allreduce_max_int(mine, self._comm))
+            decided = bool(collectives.allreduce_max_int(mine, self._comm))
         self.stopped = self.stopped or decided
         return decided

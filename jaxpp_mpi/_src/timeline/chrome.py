@@ -17,7 +17,7 @@ Note: trace format.
 Note: trace clocks.
   Events carry `time.time_ns()` readings. Ranks on one host read the same clock, so
   their times are compared as they are. The clock of a rank on another host than rank 0
-  is put on rank 0's by ping-pong with rank 0 (`transport.clock_offsets_ns`: the shortest
+  is put on rank 0's by ping-pong with rank 0 (`collectives.clock_offsets_ns`: the shortest
   of 8 round trips, error at most half of it, microseconds on a cluster network), not
   left to NTP, which can be milliseconds off: a pipeline's tasks are often shorter.
 """
@@ -224,12 +224,12 @@ def export(
         trace = chrome_trace([list(events)], local=True, other_data=other_data)
         _write_json(path, trace)
         return trace
-    from jaxpp_mpi._src.mpi import transport  # the only module importing MPI
+    from jaxpp_mpi._src.mpi import collectives  # the MPI layer (imports mpi4py)
 
     comm = mpmd_mesh.comm.Dup()  # private tags: nothing can match a runtime message
     try:
-        gathered = transport.gather_bytes(_encode(events), comm, root)
-        offsets = transport.clock_offsets_ns(comm, root)
+        gathered = collectives.gather_bytes(_encode(events), comm, root)
+        offsets = collectives.clock_offsets_ns(comm, root)
         trace, error = None, ""
         if gathered is not None:
             trace = chrome_trace([_decode(b) for b in gathered], offsets_ns=offsets,
@@ -238,7 +238,7 @@ def export(
                 _write_json(path, trace)
             except (OSError, TypeError, ValueError) as e:  # raised on every rank below
                 error = f"rank {root} could not write the trace to {path}: {e}"
-        error = transport.bcast_bytes(error.encode(), comm, root).decode()
+        error = collectives.bcast_bytes(error.encode(), comm, root).decode()
     finally:
         comm.Free()
     if error:
