@@ -20,7 +20,7 @@ MPI_PYTEST   = timeout -k 10 $(MPI_TIMEOUT) $(JPPRUN) -n $(1) python -m pytest t
 install:
 	bash tools/install.sh
 
-test: test-unit test-mpi
+test: lint test-unit test-mpi
 
 test-unit: $(PY)
 	$(PY) -m pytest tests/unit tests/local tests/jobs -q $(PYTEST_ARGS)
@@ -47,6 +47,7 @@ bench: $(PY)
 	$(JPPRUN) -n 2 python bench/p2p.py --out bench/results/p2p.json
 	$(JPPRUN) -n 2 python bench/pipeline.py --schedule 1f1b --out bench/results/pipeline_1f1b.json
 
+# ruff, pinned in setup.cfg's dev extra and installed by tools/install.sh.
 lint: $(PY)
 	$(PY) -m ruff check jaxpp_mpi tests bench examples
 

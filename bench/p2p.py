@@ -26,8 +26,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpp_mpi._src.ir.program import Aval
-from jaxpp_mpi._src.mpi import chains
-from jaxpp_mpi._src.mpi import collectives
+from jaxpp_mpi._src.mpi import chains, collectives
 from jaxpp_mpi._src.mpi.heap import tune_heap
 from jaxpp_mpi._src.runtime.mpi import ShardPlan, _Messenger
 

@@ -1,5 +1,10 @@
 """Test-wide settings: CPU device count, and the MPI abort-on-failure harness.
 
+Layout: tests/unit (plain pytest, no MPI), tests/local (one process, every MPMD group's
+devices here), tests/jobs (tests that start MPI jobs, see its conftest), tests/mpi (run
+on every rank under `launch/jpprun -n N python -m pytest --with-mpi`), tests/golden
+(program dumps compared by tests/unit/compiler/test_golden.py).
+
 Note: MPI harness.
   Under `mpirun ... pytest --with-mpi`, a failing test (or a collection error) on one rank
   would leave the other ranks waiting forever in their next message. So the first failure
@@ -16,7 +21,7 @@ import sys
 
 import pytest
 
-# Single-process tests (unit, local) see 8 CPU devices: enough for a 4-group x 2-device
+# Single-process tests (unit, local, jobs) see 8 CPU devices: enough for a 4-group x 2-device
 # local-mode mesh. Must be set before JAX creates its CPU backend; MPI runs set their own.
 _FLAG = "--xla_force_host_platform_device_count"
 if "--with-mpi" not in sys.argv and _FLAG not in os.environ.get("XLA_FLAGS", ""):

@@ -129,8 +129,9 @@ fi
 CUDA_PATH="$build_root" CUDA_ROOT="$build_root" \
   pip_install --no-build-isolation --no-cache-dir "$MPI4JAX_SPEC"
 
-# 4. jaxpp_mpi itself, editable, with test, example and plot (matplotlib) extras.
-pip_install --no-build-isolation -e ".[test,examples,plot]"
+# 4. jaxpp_mpi itself, editable, with test, example, plot (matplotlib) and dev extras;
+# dev is the ruff pinned in setup.cfg, which `make lint` (part of `make test`) runs.
+pip_install --no-build-isolation -e ".[test,examples,plot,dev]"
 
 mpi_version=$("$py" -c 'from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0].strip().strip(chr(0)).strip())')
 {
@@ -138,6 +139,7 @@ mpi_version=$("$py" -c 'from mpi4py import MPI; print(MPI.Get_library_version().
   echo "$mpi_version"
   echo "$cuda_msg"
   "$py" -c 'import jax, mpi4py, mpi4jax; print("jax", jax.__version__, "| mpi4py", mpi4py.__version__, "| mpi4jax", mpi4jax.__version__, "| mpi4jax CUDA:", mpi4jax.has_cuda_support())'
+  "$py" -m ruff --version
 } > "$stamp"
 say "done; summary in $stamp:"
 sed 's/^/[install]   /' "$stamp"

@@ -25,8 +25,8 @@ import pytest
 
 import jaxpp_mpi as jp
 from jaxpp_mpi._src.compiler.lower import live_buffer_profile
-from jaxpp_mpi._src.ir.program import Free, Run
 from jaxpp_mpi._src.ir.passes import recv_half
+from jaxpp_mpi._src.ir.program import Free, Run
 from jaxpp_mpi._src.ir.simulate import verify
 
 D = 8  # feature size

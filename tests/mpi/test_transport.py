@@ -10,9 +10,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from jaxpp_mpi._src.mpi import chains
-from jaxpp_mpi._src.mpi import collectives
-from jaxpp_mpi._src.mpi import wire
+from jaxpp_mpi._src.mpi import chains, collectives, wire
 
 COMM = collectives.world_dup()
 RANK, SIZE = COMM.rank, COMM.size

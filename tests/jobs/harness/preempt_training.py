@@ -19,7 +19,7 @@ import time
 import jax
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 from models import make_step, mlp  # noqa: E402
 
 import jaxpp_mpi  # noqa: E402

@@ -13,6 +13,7 @@ from jaxpp_mpi._src.compiler.lower import (
     live_buffer_profile,
 )
 from jaxpp_mpi._src.compiler.task_graph import TaskGraph, TaskNode
+from jaxpp_mpi._src.ir.passes import add_frees, assign_tags, recv_half, send_half
 from jaxpp_mpi._src.ir.program import (
     Aval,
     GroupProgram,
@@ -23,7 +24,6 @@ from jaxpp_mpi._src.ir.program import (
     Send,
     SendRecv,
 )
-from jaxpp_mpi._src.ir.passes import add_frees, assign_tags, recv_half, send_half
 from jaxpp_mpi._src.ir.simulate import simulate, verify
 
 ACT = Aval((4, 16), "float32", ("data",))

@@ -4,6 +4,12 @@ import dataclasses
 
 import pytest
 
+from jaxpp_mpi._src.ir.passes import (
+    add_frees,
+    assign_tags,
+    match_messages,
+    pair_exchanges,
+)
 from jaxpp_mpi._src.ir.program import (
     Aval,
     Free,
@@ -15,12 +21,6 @@ from jaxpp_mpi._src.ir.program import (
     Send,
     SendRecv,
     parse_instr,
-)
-from jaxpp_mpi._src.ir.passes import (
-    add_frees,
-    assign_tags,
-    match_messages,
-    pair_exchanges,
 )
 from jaxpp_mpi._src.ir.simulate import verify
 

@@ -5,6 +5,7 @@ import itertools
 
 import pytest
 
+from jaxpp_mpi._src.ir.passes import add_frees, assign_tags, pair_exchanges
 from jaxpp_mpi._src.ir.program import (
     Aval,
     Free,
@@ -16,7 +17,6 @@ from jaxpp_mpi._src.ir.program import (
     Send,
     SendRecv,
 )
-from jaxpp_mpi._src.ir.passes import add_frees, assign_tags, pair_exchanges
 from jaxpp_mpi._src.ir.simulate import (
     Event,
     default_latency,

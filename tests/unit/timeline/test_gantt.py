@@ -7,8 +7,8 @@ from collections import Counter
 
 import pytest
 
-from jaxpp_mpi._src.timeline.gantt import draw_png, schedule_chart, trace_chart
 from jaxpp_mpi._src.schedules.library import entry_tasks
+from jaxpp_mpi._src.timeline.gantt import draw_png, schedule_chart, trace_chart
 from jaxpp_mpi.schedules import (
     DualPipeV,
     Interleaved1F1B,
