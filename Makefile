@@ -41,7 +41,7 @@ test-slurm: $(PY)
 example: $(PY)
 	$(JPPRUN) -n 4 python examples/train.py --schedule 1f1b --steps 10 --trace build/trace.json
 	$(PY) -m jaxpp_mpi.schedules --from-trace build/trace.json --png build/trace.png
-	$(PY) -m jaxpp_mpi.schedules Std1F1B --stages 4 --mubatches 8 --png build/schedule.png
+	$(PY) -m jaxpp_mpi.schedules Std1F1B --stages 4 --microbatches 8 --png build/schedule.png
 
 bench: $(PY)
 	$(JPPRUN) -n 2 python bench/p2p.py --out bench/results/p2p.json

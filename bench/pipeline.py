@@ -31,7 +31,9 @@ from jaxpp_mpi.schedules import SCHEDULE_NAMES, schedule_by_name  # no JAX impor
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--schedule", choices=SCHEDULE_NAMES, default="1f1b")
-    p.add_argument("--mubatches", type=int, default=8)
+    p.add_argument("--microbatches", dest="num_microbatches", type=int, default=8)
+    # Deprecated spelling of --microbatches, kept working but hidden from --help.
+    p.add_argument("--mubatches", dest="num_microbatches", type=int, help=argparse.SUPPRESS)
     p.add_argument("--width", type=int, default=512)
     p.add_argument("--rows", type=int, default=256)
     p.add_argument("--steps", type=int, default=10)
@@ -51,8 +53,8 @@ def build(args, stages: int, sched):
     keys = jax.random.split(jax.random.PRNGKey(0), stages + 2)
     params = [jax.random.normal(k, (args.width, args.width)) / args.width ** 0.5
               for k in keys[:stages]]
-    batch = (jax.random.normal(keys[-2], (args.mubatches, args.rows, args.width)),
-             jax.random.normal(keys[-1], (args.mubatches, args.rows, args.width)))
+    batch = (jax.random.normal(keys[-2], (args.num_microbatches, args.rows, args.width)),
+             jax.random.normal(keys[-1], (args.num_microbatches, args.rows, args.width)))
 
     def loss_fn(params, mb):
         x, y = mb
@@ -169,7 +171,7 @@ def main() -> None:
             "jax": jax.__version__,
             "ranks": groups,
             "schedule": repr(sched),
-            "mubatches": args.mubatches,
+            "mubatches": args.num_microbatches,
             "width": args.width,
             "rows": args.rows,
             "step_ms": step_ms,
@@ -182,7 +184,7 @@ def main() -> None:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)
-        print(f"{sched!r}, {args.mubatches} microbatches, width {args.width}: step "
+        print(f"{sched!r}, {args.num_microbatches} microbatches, width {args.width}: step "
               f"{step_ms:.1f} ms, predicted {predicted:.1f} ms "
               f"(overhead x{step_ms / predicted:.2f}), jax.jit with {groups} threads "
               f"{jit_ms:.1f} ms; wrote {args.out}", flush=True)

@@ -36,8 +36,12 @@ from jaxpp_mpi.schedules import (  # no JAX import
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--schedule", choices=SCHEDULE_NAMES, default="1f1b")
-    p.add_argument("--mubatches", type=int, default=8, help="microbatches per step")
-    p.add_argument("--mubatch-size", type=int, default=4, help="sequences per microbatch")
+    p.add_argument("--microbatches", dest="num_microbatches", type=int, default=8,
+                   help="microbatches per step")
+    p.add_argument("--microbatch-size", type=int, default=4, help="sequences per microbatch")
+    # Deprecated spellings of the two flags above, kept working but hidden from --help.
+    p.add_argument("--mubatches", dest="num_microbatches", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--mubatch-size", dest="microbatch_size", type=int, help=argparse.SUPPRESS)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--layers", type=int, default=0,
                    help="transformer blocks (default: one per stage)")
@@ -194,7 +198,7 @@ def main(argv=None) -> int:
 
     # Synthetic data with structure to learn: each token is the previous plus one.
     rng = np.random.default_rng(0)
-    starts = rng.integers(0, vocab, (args.mubatches, args.mubatch_size, 1))
+    starts = rng.integers(0, vocab, (args.num_microbatches, args.microbatch_size, 1))
     tokens = (starts + np.arange(seq + 1)) % vocab
     batch = {"inputs": jnp.asarray(tokens[..., :-1], jnp.int32),
              "targets": jnp.asarray(tokens[..., 1:], jnp.int32)}
@@ -204,16 +208,16 @@ def main(argv=None) -> int:
     step = jaxpp_mpi.mpmd_jit_with_loop(train_step, mpmd_mesh=mesh, donate_argnums=(0, 1))
     if verbose:
         print(f"{args.schedule}: {stages} stages on {groups} groups of {per_group} device(s), "
-              f"{args.mubatches} microbatches", flush=True)
+              f"{args.num_microbatches} microbatches", flush=True)
     t0 = time.perf_counter()
     compiled = step.compile(opt_state, params, batch)
-    bubble = predicted_bubble(sched, args.mubatches)
+    bubble = predicted_bubble(sched, args.num_microbatches)
     if verbose:
         print(f"compiled in {time.perf_counter() - t0:.1f} s; bubble: the simulated idle "
               "share (unit task times; after a --trace step, its task times)", flush=True)
         print(f"{'step':>5}  {'loss':>8}  {'time ms':>9}  {'tokens/s':>10}  {'bubble':>6}",
               flush=True)
-    tokens = args.mubatches * args.mubatch_size * seq
+    tokens = args.num_microbatches * args.microbatch_size * seq
     traced = min(1, args.steps - 1) if args.trace else -1  # after one warm-up step
     losses: list = []
     state = (opt_state, params)
@@ -250,10 +254,11 @@ def main(argv=None) -> int:
                 print(f"{i:>5}  {value:>8.4f}  {elapsed * 1e3:>9.1f}  {tokens / elapsed:>10,.0f}  "
                       f"{100 * bubble:>5.1f}%{mark}", flush=True)
             if i == traced:
-                info = {"schedule": args.schedule, "num_microbatches": args.mubatches, "step": i}
+                info = {"schedule": args.schedule, "num_microbatches": args.num_microbatches,
+                        "step": i}
                 trace = jaxpp_mpi.trace.export(args.trace, events, mesh, other_data=info)
                 if trace is not None:
-                    bubble = predicted_bubble(sched, args.mubatches, trace)
+                    bubble = predicted_bubble(sched, args.num_microbatches, trace)
                     if verbose:
                         print(f"wrote {args.trace}", flush=True)
             if ckpt and guard.should_stop():

@@ -15,10 +15,10 @@ from jaxpp_mpi._src.schedules.library import GPipe as GPipe
 from jaxpp_mpi._src.schedules.library import Interleaved1F1B as Interleaved1F1B
 from jaxpp_mpi._src.schedules.library import KimiK2 as KimiK2
 from jaxpp_mpi._src.schedules.library import Std1F1B as Std1F1B
-from jaxpp_mpi._src.schedules.library import Task as Task
-from jaxpp_mpi._src.schedules.library import TaskType as TaskType
 from jaxpp_mpi._src.schedules.library import ZeroBubble as ZeroBubble
 from jaxpp_mpi._src.schedules.library import schedule_by_name as schedule_by_name
+from jaxpp_mpi._src.schedules.tasks import Task as Task
+from jaxpp_mpi._src.schedules.tasks import TaskType as TaskType
 
 __all__ = [
     "BaseSchedule",

@@ -22,7 +22,7 @@ def test_example_bfloat16_zerobubble_with_trace_and_checkpoint(tmp_path):
     cmd = [str(ROOT / "launch" / "jpprun"), "-n", "2", "python", "examples/train.py",
            "--schedule", "zerobubble", "--dtype", "bfloat16", "--tied", "--steps", "3",
            "--hidden", "32", "--heads", "2", "--seq", "16", "--vocab", "64",
-           "--mubatches", "4", "--mubatch-size", "2", "--trace", str(trace),
+           "--microbatches", "4", "--microbatch-size", "2", "--trace", str(trace),
            "--ckpt-dir", str(tmp_path / "ckpt")]
     try:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,

@@ -1,8 +1,20 @@
-"""Schedule checker and analysis: completeness, dependency order, simulated timeline."""
+"""Schedule checker and analysis: completeness, dependency order, simulated timeline.
+
+Note: schedule simulation.
+  `check_tasks` plays a schedule's task lists as a dataflow list schedule: each group
+  runs its entries in order, an entry starts once its group is free and the tasks it
+  depends on (`_dependencies`: the pipeline's data dependencies between F, B, I and W of
+  neighbouring stages) have ended, plus ``comm_latency`` across groups, and lasts the sum
+  of its parts' latencies. It sees tasks only, before anything is compiled: no messages,
+  buffers or tags. It is deliberately not the rendezvous player of programs
+  (`ir/simulate.py`), which matches the Send/Recv instructions of a lowered `Program`
+  rank by rank and checks buffers; that one needs a program, this one judges a schedule
+  (also a user's CSV) and gives its timeline, bubbles and peak activations without one.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from jaxpp_mpi._src.schedules.library import BaseSchedule
@@ -15,13 +27,13 @@ from jaxpp_mpi._src.schedules.tasks import (
 )
 
 __all__ = [
-    "DEFAULT_LATENCIES",
     "ScheduleAnalysis",
     "ScheduleError",
     "TimelineEntry",
     "analyze_schedule",
     "check_schedule",
     "check_tasks",
+    "describe",
 ]
 
 # Where(group, position) -> human-readable location of an entry, e.g. "group 1, position 4".
@@ -63,7 +75,7 @@ class ScheduleAnalysis:
 
 
 def describe(task: Task) -> str:
-    """Returns e.g. ``BWD_I(stage=2, microbatch=3)``."""
+    """Returns a task as error messages name it, e.g. ``BWD_I(stage=2, microbatch=3)``."""
     return f"{task.type.name}(stage={task.stage_id}, microbatch={task.microbatch})"
 
 
@@ -82,6 +94,17 @@ def _dependencies(task: Task, num_stages: int, partial_bwd: bool) -> list[Task]:
     if s + 1 < num_stages:
         deps.append(Task(s + 1, m, TaskType.BWD_I if partial_bwd else TaskType.BWD))
     return deps
+
+
+def _inputs(
+    entry: ScheduleEntry, num_stages: int, partial_bwd: bool
+) -> Iterator[tuple[Task, Task]]:
+    """Yields (task, dependency) for the dependencies an entry does not produce itself."""
+    parts = entry_tasks(entry)
+    for t in parts:
+        for dep in _dependencies(t, num_stages, partial_bwd):
+            if dep not in parts:
+                yield t, dep
 
 
 def _index_tasks(
@@ -153,7 +176,7 @@ def check_tasks(
     latencies: Mapping[TaskType, float] | None = None,
     comm_latency: float = 0.0,
 ) -> tuple[tuple[TimelineEntry, ...], ...]:
-    """Checks per-group task lists and simulates them.
+    """Checks per-group task lists and simulates them (`Note: schedule simulation`).
 
     Every (stage, microbatch, kind) must appear exactly once, on the group of its stage;
     a task may only run after the tasks it needs (FWD(s, m) after FWD(s-1, m); BWD or BWD_I
@@ -225,7 +248,7 @@ def _simulate(
     name: str,
     where: Where,
 ) -> tuple[tuple[TimelineEntry, ...], ...]:
-    """Plays all groups together with unit-free latencies; raises on a cyclic wait."""
+    """Plays all groups together (`Note: schedule simulation`); raises on a cyclic wait."""
     num_groups = len(tasks)
     pos = [0] * num_groups
     free = [0.0] * num_groups
@@ -274,16 +297,12 @@ def _start_time(
     comm_latency: float,
 ) -> float | None:
     """Earliest start of ``entry`` on group ``g``, or None while an input is not ready."""
-    parts = entry_tasks(entry)
     start = free
-    for t in parts:
-        for dep in _dependencies(t, num_stages, partial_bwd):
-            if dep in parts:
-                continue
-            if dep not in done_at:
-                return None
-            delay = comm_latency if located[dep][0] != g else 0.0
-            start = max(start, done_at[dep] + delay)
+    for _, dep in _inputs(entry, num_stages, partial_bwd):
+        if dep not in done_at:
+            return None
+        delay = comm_latency if located[dep][0] != g else 0.0
+        start = max(start, done_at[dep] + delay)
     return start
 
 
@@ -297,12 +316,10 @@ def _blocked_on(
     partial_bwd: bool,
     where: Where,
 ) -> str:
-    parts = entry_tasks(entry)
-    for t in parts:
-        for dep in _dependencies(t, num_stages, partial_bwd):
-            if dep not in parts and dep not in done_at:
-                dg, di, _ = located[dep]
-                return f"{where(g, i)} ({describe(t)}) waits for {describe(dep)} at {where(dg, di)}"
+    for t, dep in _inputs(entry, num_stages, partial_bwd):
+        if dep not in done_at:
+            dg, di, _ = located[dep]
+            return f"{where(g, i)} ({describe(t)}) waits for {describe(dep)} at {where(dg, di)}"
     return f"{where(g, i)} waits"  # pragma: no cover - a blocked entry has a missing input
 
 
@@ -310,19 +327,21 @@ def _stage_to_group(schedule: BaseSchedule) -> list[int]:
     return [schedule.get_mpmd_idx(s) for s in range(schedule.num_stages)]
 
 
-def check_schedule(schedule: BaseSchedule, n_mubatches: int, *, comm_latency: float = 0.0) -> None:
-    """Checks ``schedule.tasks(n_mubatches)`` (see ``check_tasks`` for the rules).
+def check_schedule(
+    schedule: BaseSchedule, num_microbatches: int, *, comm_latency: float = 0.0
+) -> None:
+    """Checks ``schedule.tasks(num_microbatches)`` (see ``check_tasks`` for the rules).
 
     Args:
         schedule: The schedule to check.
-        n_mubatches: Number of microbatches.
+        num_microbatches: Number of microbatches.
         comm_latency: Delay for a result to reach another group in the simulation.
 
     Raises:
         ScheduleError: if the task lists are invalid or would wait forever.
-        ValueError: if the schedule rejects ``n_mubatches``.
+        ValueError: if the schedule rejects ``num_microbatches``.
     """
-    _run(schedule, n_mubatches, None, comm_latency)
+    _run(schedule, num_microbatches, None, comm_latency)
 
 
 def _run(
@@ -351,7 +370,7 @@ def _run(
 
 def analyze_schedule(
     schedule: BaseSchedule,
-    n_mubatches: int,
+    num_microbatches: int,
     latencies: Mapping[TaskType, float] | None = None,
     *,
     comm_latency: float = 0.0,
@@ -360,7 +379,7 @@ def analyze_schedule(
 
     Args:
         schedule: The schedule to analyse.
-        n_mubatches: Number of microbatches.
+        num_microbatches: Number of microbatches.
         latencies: Task durations by kind, merged over FWD=1, BWD=2, BWD_I=1, BWD_W=1;
             a fused task lasts the sum of its parts.
         comm_latency: Delay for a result to reach another group.
@@ -369,10 +388,10 @@ def analyze_schedule(
         A ``ScheduleAnalysis``.
 
     Raises:
-        ScheduleError: if the schedule is invalid for ``n_mubatches``.
+        ScheduleError: if the schedule is invalid for ``num_microbatches``.
     """
     lat = _latencies(latencies)
-    timeline = _run(schedule, n_mubatches, lat, comm_latency)
+    timeline = _run(schedule, num_microbatches, lat, comm_latency)
     makespan = max((row[-1].end for row in timeline if row), default=0.0)
     busy = tuple(sum(e.end - e.start for e in row) for row in timeline)
     bubble = tuple(1.0 - b / makespan if makespan > 0 else 0.0 for b in busy)

@@ -11,50 +11,74 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from jaxpp_mpi._src.schedules.check import ScheduleError, check_tasks, describe
-from jaxpp_mpi._src.schedules.library import (
-    BaseSchedule,
+from jaxpp_mpi._src.schedules.library import BaseSchedule, check_positive
+from jaxpp_mpi._src.schedules.tasks import (
+    KIND_LETTERS,
     ScheduleEntry,
     ScheduleTasks,
     Task,
     TaskType,
-    check_positive,
     entry_tasks,
+    task_label,
 )
 
-__all__ = ["CustomSchedule", "format_entry", "parse_cell", "schedule_to_csv", "schedule_to_rows"]
+__all__ = [
+    "CustomSchedule",
+    "format_entry",
+    "groups_needing_stage",
+    "parse_cell",
+    "schedule_to_csv",
+    "schedule_to_rows",
+]
 
 MAX_CSV_BYTES = 64 << 20
 MAX_CSV_CELLS = 1_000_000
-_TASK_RE = re.compile(r"([FBIW])(\d{1,9})(?:s(\d{1,9}))?")
-_KIND = {k.value: k for k in TaskType}
-
-# Note (CSV cells): a cell is one task, e.g. ``F3`` (forward of microbatch 3), ``B3``, ``I3``
-# (BWD_I), ``W3`` (BWD_W), or a fused task, its parts joined with ``+`` (``F4+B1``). When a
-# group (row) holds several stages, or a stage other than its row index, each part names its
-# stage: ``F3s5`` is the forward of microbatch 3 at stage 5. Without the suffix the stage is
-# the row index. Empty cells are skipped; trailing empty rows are ignored.
+# Note: CSV cells.
+#   A cell is a task label (`Note: task labels` in tasks.py): ``F3s5`` is the forward of
+#   microbatch 3 at stage 5, ``I3s5``/``W3s5`` the halves of a split backward, and a
+#   fused task joins its parts with ``+`` (``F4s1+B1s1``). CSV-only extension: a part may
+#   leave out ``s<stage>``, and then its stage is the row's index (``F3``, ``F4+B1``);
+#   this is allowed only in a row that holds that one stage alone, and `schedule_to_csv`
+#   writes it for such rows. Empty cells are skipped; trailing empty rows are ignored.
+_CELL_PART = re.compile(rf"([{KIND_LETTERS}])(\d{{1,9}})(?:s(\d{{1,9}}))?")
 
 # A cell location: (row, column), both 0-based, and the cell text.
 _Cell = tuple[int, int, str]
 
 
 def format_entry(entry: ScheduleEntry, with_stage: bool = True) -> str:
-    """Returns the CSV cell of a task or fused task, e.g. ``F3s5`` or ``F4+B1``."""
-    return "+".join(
-        f"{t.type.value}{t.microbatch}" + (f"s{t.stage_id}" if with_stage else "")
-        for t in entry_tasks(entry)
-    )
+    """Returns the CSV cell of a task or fused task (`Note: CSV cells`).
+
+    Args:
+        entry: A task or fused task.
+        with_stage: Whether to write the stage suffix; without it a part is only its kind
+            letter and microbatch.
+
+    Returns:
+        E.g. ``F3s5`` (its task label), or ``F4+B1`` without the stage.
+    """
+    if with_stage:
+        return task_label(entry)
+    return "+".join(f"{t.type.value}{t.microbatch}" for t in entry_tasks(entry))
 
 
 def parse_cell(text: str, row: int, column: int = 0) -> ScheduleEntry:
-    """Parses a CSV cell into a task or fused task (a suffix-less part gets stage ``row``).
+    """Parses a CSV cell into a task or fused task (`Note: CSV cells`).
+
+    Args:
+        text: The cell's text.
+        row: The cell's row, which is the stage of a part without the stage suffix.
+        column: The cell's column, for error messages.
+
+    Returns:
+        A task, or a tuple of tasks for a fused cell.
 
     Raises:
         ScheduleError: naming the cell, if the text is not a task.
     """
     tasks = []
     for part in text.split("+"):
-        match = _TASK_RE.fullmatch(part.strip())
+        match = _CELL_PART.fullmatch(part.strip())
         if match is None:
             raise ScheduleError(
                 f"{_cell_name(row, column, text)}: {part.strip()!r} is not a task; write F, B, "
@@ -62,7 +86,7 @@ def parse_cell(text: str, row: int, column: int = 0) -> ScheduleEntry:
                 "tasks with '+'"
             )
         kind, microbatch, stage = match.groups()
-        tasks.append(Task(row if stage is None else int(stage), int(microbatch), _KIND[kind]))
+        tasks.append(Task(row if stage is None else int(stage), int(microbatch), TaskType(kind)))
     return tasks[0] if len(tasks) == 1 else tuple(tasks)
 
 
@@ -70,7 +94,15 @@ def _cell_name(row: int, column: int, text: str) -> str:
     return f"row {row + 1} (group {row}), column {column + 1} ({text.strip()!r})"
 
 
-def _groups_needing_stage(schedule_rows: Sequence[Sequence[ScheduleEntry]]) -> list[bool]:
+def groups_needing_stage(schedule_rows: Sequence[Sequence[ScheduleEntry]]) -> list[bool]:
+    """Returns, per group, whether its cells must write the stage (`Note: CSV cells`).
+
+    Args:
+        schedule_rows: One entry list per group.
+
+    Returns:
+        True for a group that runs a stage other than its own index, or several stages.
+    """
     out = []
     for g, row in enumerate(schedule_rows):
         stages = {t.stage_id for e in row for t in entry_tasks(e)}
@@ -78,23 +110,33 @@ def _groups_needing_stage(schedule_rows: Sequence[Sequence[ScheduleEntry]]) -> l
     return out
 
 
-def schedule_to_rows(schedule: BaseSchedule, n_mubatches: int) -> list[list[str]]:
-    """Returns the CSV cells of ``schedule.tasks(n_mubatches)``, one list per group."""
-    rows = schedule.tasks(n_mubatches)
-    with_stage = _groups_needing_stage(rows)
-    return [[format_entry(e, with_stage[g]) for e in row] for g, row in enumerate(rows)]
-
-
-def schedule_to_csv(schedule: BaseSchedule, n_mubatches: int, path: str | os.PathLike) -> None:
-    """Writes ``schedule.tasks(n_mubatches)`` as CSV, one row per group (see CustomSchedule).
+def schedule_to_rows(schedule: BaseSchedule, num_microbatches: int) -> list[list[str]]:
+    """Returns the CSV cells of a schedule (`Note: CSV cells`).
 
     Args:
         schedule: Any schedule.
-        n_mubatches: Number of microbatches.
+        num_microbatches: Number of microbatches.
+
+    Returns:
+        One list of cells per group: ``schedule.tasks(num_microbatches)`` as text.
+    """
+    rows = schedule.tasks(num_microbatches)
+    with_stage = groups_needing_stage(rows)
+    return [[format_entry(e, with_stage[g]) for e in row] for g, row in enumerate(rows)]
+
+
+def schedule_to_csv(
+    schedule: BaseSchedule, num_microbatches: int, path: str | os.PathLike
+) -> None:
+    """Writes ``schedule.tasks(num_microbatches)`` as CSV, one row per group (see CustomSchedule).
+
+    Args:
+        schedule: Any schedule.
+        num_microbatches: Number of microbatches.
         path: Output file.
     """
     with open(path, "w", newline="") as f:
-        csv.writer(f).writerows(schedule_to_rows(schedule, n_mubatches))
+        csv.writer(f).writerows(schedule_to_rows(schedule, num_microbatches))
 
 
 @dataclass(frozen=True, repr=False)
@@ -196,12 +238,12 @@ class CustomSchedule(BaseSchedule):
         self._check_stage(stage_id)
         return self._stage_to_group[stage_id]
 
-    def tasks(self, n_mubatches: int) -> ScheduleTasks:
-        if n_mubatches != self.num_microbatches:
+    def tasks(self, num_microbatches: int) -> ScheduleTasks:
+        if num_microbatches != self.num_microbatches:
             raise ValueError(
                 f"{self!r} is written for {self.num_microbatches} microbatches, got "
-                f"n_mubatches={n_mubatches}; run it with {self.num_microbatches} microbatches "
-                f"or write a CSV for {n_mubatches}"
+                f"num_microbatches={num_microbatches}; run it with {self.num_microbatches} "
+                f"microbatches or write a CSV for {num_microbatches}"
             )
         return [list(row) for row in self.groups]
 
@@ -218,6 +260,12 @@ class CustomSchedule(BaseSchedule):
             tasks: One ordered entry list per group.
             num_microbatches: Defaults to the largest microbatch index plus one.
             cells: Optional CSV location of each entry, for error messages.
+
+        Returns:
+            The schedule; ``num_stages`` is the largest stage index plus one.
+
+        Raises:
+            ScheduleError: if the lists are not a complete, runnable schedule.
         """
         all_tasks = [t for row in tasks for e in row for t in entry_tasks(e) if isinstance(t, Task)]
         num_stages = 1 + max((t.stage_id for t in all_tasks), default=0)
@@ -234,6 +282,12 @@ class CustomSchedule(BaseSchedule):
     def from_csv(cls, path: str | os.PathLike) -> CustomSchedule:
         """Reads and checks a schedule written by ``schedule_to_csv`` or by hand.
 
+        Args:
+            path: The CSV file (`Note: CSV cells`), at most ``MAX_CSV_BYTES``.
+
+        Returns:
+            The checked schedule.
+
         Raises:
             ScheduleError: naming the offending cell (row, column, text).
         """
@@ -247,7 +301,18 @@ class CustomSchedule(BaseSchedule):
 
     @classmethod
     def from_csv_text(cls, text: str, source: str = "<csv>") -> CustomSchedule:
-        """Like ``from_csv``, from the CSV text itself."""
+        """Like ``from_csv``, from the CSV text itself.
+
+        Args:
+            text: The CSV text.
+            source: Its name in error messages.
+
+        Returns:
+            The checked schedule.
+
+        Raises:
+            ScheduleError: naming the offending cell (row, column, text).
+        """
         groups: list[list[ScheduleEntry]] = []
         cells: list[list[_Cell]] = []
         count = 0
@@ -291,7 +356,7 @@ def _check_indexes(
                         f"holding {count} tasks"
                     )
             if bare is None and any(
-                _TASK_RE.fullmatch(p.strip()).group(3) is None  # type: ignore[union-attr]
+                _CELL_PART.fullmatch(p.strip()).group(3) is None  # type: ignore[union-attr]
                 for p in cells[g][i][2].split("+")
             ):
                 bare = i

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from abc import ABCMeta, abstractmethod
 from collections import defaultdict, deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 
 from jaxpp_mpi._src.schedules.tasks import (
     ScheduleEntry,
@@ -22,6 +23,7 @@ __all__ = [
     "GPipe",
     "Interleaved1F1B",
     "KimiK2",
+    "SCHEDULES",
     "SCHEDULE_NAMES",
     "ScheduleEntry",
     "ScheduleTasks",
@@ -29,12 +31,24 @@ __all__ = [
     "Task",
     "TaskType",
     "ZeroBubble",
+    "check_positive",
     "entry_tasks",
     "schedule_by_name",
 ]
 
 
 def check_positive(schedule: str, name: str, value: object, hint: str) -> None:
+    """Checks that ``value`` is a positive int (a bool is not).
+
+    Args:
+        schedule: Who checks, for the message (a class name or a repr).
+        name: What ``value`` is, for the message.
+        value: The value to check.
+        hint: What to do instead, appended to the message.
+
+    Raises:
+        ValueError: if ``value`` is not a positive int.
+    """
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{schedule}: {name} must be a positive integer, got {value!r}; {hint}")
 
@@ -78,20 +92,26 @@ class BaseSchedule(metaclass=ABCMeta):
                 f"0..{self.num_stages - 1}"
             )
 
-    def _check_num_microbatches(self, n_mubatches: int) -> None:
+    def _check_num_microbatches(self, num_microbatches: int) -> None:
         check_positive(
-            repr(self), "the number of microbatches", n_mubatches, "run at least one microbatch"
+            repr(self),
+            "the number of microbatches",
+            num_microbatches,
+            "run at least one microbatch",
         )
 
     @abstractmethod
-    def tasks(self, n_mubatches: int) -> ScheduleTasks:
+    def tasks(self, num_microbatches: int) -> ScheduleTasks:
         """Returns, for each MPMD index, its ordered list of tasks and fused tasks.
 
         Args:
-            n_mubatches: Number of microbatches (microbatch indexes are 0-based).
+            num_microbatches: Number of microbatches (microbatch indexes are 0-based).
+
+        Returns:
+            One entry list per MPMD index (`ScheduleTasks`).
 
         Raises:
-            ValueError: if this schedule cannot run ``n_mubatches`` microbatches.
+            ValueError: if this schedule cannot run ``num_microbatches`` microbatches.
         """
 
 
@@ -136,11 +156,11 @@ def _one_f_one_b(stage_id: int, num_microbatches: int, warmup: int) -> list[Sche
 class GPipe(_OneStagePerGroup):
     """Every group runs all forwards, then all backwards (ascending microbatch order)."""
 
-    def tasks(self, n_mubatches: int) -> ScheduleTasks:
-        self._check_num_microbatches(n_mubatches)
+    def tasks(self, num_microbatches: int) -> ScheduleTasks:
+        self._check_num_microbatches(num_microbatches)
         return [
-            [Task(s, m, TaskType.FWD) for m in range(n_mubatches)]
-            + [Task(s, m, TaskType.BWD) for m in range(n_mubatches)]
+            [Task(s, m, TaskType.FWD) for m in range(num_microbatches)]
+            + [Task(s, m, TaskType.BWD) for m in range(num_microbatches)]
             for s in range(self.num_stages)
         ]
 
@@ -149,10 +169,10 @@ class GPipe(_OneStagePerGroup):
 class Std1F1B(_OneStagePerGroup):
     """1F1B (PipeDream-flush): ``num_stages - 1 - rank`` warm-up forwards, then F/B pairs."""
 
-    def tasks(self, n_mubatches: int) -> ScheduleTasks:
-        self._check_num_microbatches(n_mubatches)
+    def tasks(self, num_microbatches: int) -> ScheduleTasks:
+        self._check_num_microbatches(num_microbatches)
         p = self.num_stages
-        return [_one_f_one_b(s, n_mubatches, p - 1 - s) for s in range(p)]
+        return [_one_f_one_b(s, num_microbatches, p - 1 - s) for s in range(p)]
 
 
 @dataclass(frozen=True)
@@ -164,10 +184,10 @@ class Eager1F1B(_OneStagePerGroup):
     of up to ``2 * num_stages - 1`` live activations on the first group.
     """
 
-    def tasks(self, n_mubatches: int) -> ScheduleTasks:
-        self._check_num_microbatches(n_mubatches)
+    def tasks(self, num_microbatches: int) -> ScheduleTasks:
+        self._check_num_microbatches(num_microbatches)
         p = self.num_stages
-        return [_one_f_one_b(s, n_mubatches, 2 * (p - 1 - s)) for s in range(p)]
+        return [_one_f_one_b(s, num_microbatches, 2 * (p - 1 - s)) for s in range(p)]
 
 
 @dataclass(frozen=True)
@@ -183,16 +203,16 @@ class ZeroBubble(_OneStagePerGroup):
     def is_partial_bwd(self) -> bool:
         return True
 
-    def tasks(self, n_mubatches: int) -> ScheduleTasks:
-        self._check_num_microbatches(n_mubatches)
+    def tasks(self, num_microbatches: int) -> ScheduleTasks:
+        self._check_num_microbatches(num_microbatches)
         p = self.num_stages
-        if n_mubatches < p:
+        if num_microbatches < p:
             raise ValueError(
                 f"{self!r} needs at least num_stages={p} microbatches (its warm-up runs "
-                f"{p} forwards on the first group), got {n_mubatches}; use "
-                f"n_mubatches >= {p} or Std1F1B"
+                f"{p} forwards on the first group), got {num_microbatches}; use "
+                f"num_microbatches >= {p} or Std1F1B"
             )
-        return [self._group_tasks(s, n_mubatches) for s in range(p)]
+        return [self._group_tasks(s, num_microbatches) for s in range(p)]
 
     def _group_tasks(self, s: int, n: int) -> list[ScheduleEntry]:
         it = _Counters()
@@ -264,10 +284,10 @@ class Interleaved1F1B(_ManyStagesPerGroup):
         chunks = self.num_stages // self.mpmd_dim
         return (chunks - 1) * round_size + 2 * (self.mpmd_dim - 1 - mpmd_idx)
 
-    def tasks(self, n_mubatches: int) -> ScheduleTasks:
-        self._check_num_microbatches(n_mubatches)
-        g = self._round_size(n_mubatches)
-        return [self._group_tasks(r, n_mubatches, g) for r in range(self.mpmd_dim)]
+    def tasks(self, num_microbatches: int) -> ScheduleTasks:
+        self._check_num_microbatches(num_microbatches)
+        g = self._round_size(num_microbatches)
+        return [self._group_tasks(r, num_microbatches, g) for r in range(self.mpmd_dim)]
 
     def _group_tasks(self, r: int, n: int, g: int) -> list[ScheduleEntry]:
         d, chunks = self.mpmd_dim, self.num_stages // self.mpmd_dim
@@ -326,15 +346,15 @@ class DualPipeV(_ManyStagesPerGroup):
         self._check_stage(stage_id)
         return min(stage_id, self.num_stages - 1 - stage_id)
 
-    def tasks(self, n_mubatches: int) -> ScheduleTasks:
-        self._check_num_microbatches(n_mubatches)
-        if n_mubatches < self.num_stages:
+    def tasks(self, num_microbatches: int) -> ScheduleTasks:
+        self._check_num_microbatches(num_microbatches)
+        if num_microbatches < self.num_stages:
             raise ValueError(
                 f"{self!r} needs at least num_stages={self.num_stages} microbatches (its "
-                f"warm-up fills both arms of the V), got {n_mubatches}; use n_mubatches >= "
-                f"{self.num_stages}"
+                f"warm-up fills both arms of the V), got {num_microbatches}; use "
+                f"num_microbatches >= {self.num_stages}"
             )
-        return [self._group_tasks(r, n_mubatches) for r in range(self.mpmd_dim)]
+        return [self._group_tasks(r, num_microbatches) for r in range(self.mpmd_dim)]
 
     def _group_tasks(self, r: int, n: int) -> list[ScheduleEntry]:
         d = self.mpmd_dim
@@ -380,29 +400,42 @@ def _single(tasks: Sequence[Task]) -> ScheduleEntry:
     return tasks[0] if len(tasks) == 1 else tuple(tasks)
 
 
-# Short names, as command-line flags spell them (examples/train.py, bench/pipeline.py).
-SCHEDULE_NAMES = ("gpipe", "1f1b", "eager1f1b", "interleaved", "zerobubble", "dualpipev",
-                  "kimik2")
+# Note: schedule registry.
+#   `SCHEDULES` is the one table of named schedules: short name -> class, in the order
+#   flags list them. `schedule_by_name` and the ``--schedule`` flags of examples/train.py
+#   and bench/pipeline.py take the short names; ``python -m jaxpp_mpi.schedules`` takes
+#   the class names (any case) of the same classes.
+SCHEDULES: Mapping[str, type[BaseSchedule]] = MappingProxyType({
+    "gpipe": GPipe,
+    "1f1b": Std1F1B,
+    "eager1f1b": Eager1F1B,
+    "interleaved": Interleaved1F1B,
+    "zerobubble": ZeroBubble,
+    "dualpipev": DualPipeV,
+    "kimik2": KimiK2,
+})
+SCHEDULE_NAMES = tuple(SCHEDULES)
 
 
 def schedule_by_name(name: str, mpmd_dim: int) -> BaseSchedule:
-    """The schedule called `name` (one of `SCHEDULE_NAMES`) for `mpmd_dim` groups.
+    """Returns the schedule called ``name`` (`Note: schedule registry`) for ``mpmd_dim`` groups.
 
     One stage per group for gpipe, 1f1b, eager1f1b and zerobubble; two per group for
     interleaved, dualpipev and kimik2.
 
+    Args:
+        name: One of `SCHEDULE_NAMES`.
+        mpmd_dim: Number of MPMD groups.
+
+    Returns:
+        The schedule, with ``num_stages`` equal to ``mpmd_dim`` or ``2 * mpmd_dim``.
+
     Raises:
-      ValueError: for an unknown name.
+        ValueError: for an unknown name.
     """
-    makers = {
-        "gpipe": lambda: GPipe(mpmd_dim),
-        "1f1b": lambda: Std1F1B(mpmd_dim),
-        "eager1f1b": lambda: Eager1F1B(mpmd_dim),
-        "interleaved": lambda: Interleaved1F1B(2 * mpmd_dim, mpmd_dim),
-        "zerobubble": lambda: ZeroBubble(mpmd_dim),
-        "dualpipev": lambda: DualPipeV(2 * mpmd_dim, mpmd_dim),
-        "kimik2": lambda: KimiK2(2 * mpmd_dim, mpmd_dim),
-    }
-    if name not in makers:
+    cls = SCHEDULES.get(name)
+    if cls is None:
         raise ValueError(f"unknown schedule {name!r}; the names are {', '.join(SCHEDULE_NAMES)}")
-    return makers[name]()
+    if issubclass(cls, _ManyStagesPerGroup):
+        return cls(2 * mpmd_dim, mpmd_dim)
+    return cls(mpmd_dim)

@@ -6,8 +6,10 @@ Note: task labels.
   of stage 2's backward of microbatch 0. A fused task joins its parts with ``+``
   (``F4s1+B1s1``). Code outside the microbatch loop runs as segments labelled
   ``pre<level>g<group>`` or ``post<level>g<group>`` (level may be empty: ``preg0``).
-  Program `Run` instructions, watchdog reports, traces, Gantt charts and CSV schedules all
-  write and read labels through `task_label` and `parse_label` here.
+  Program `Run` instructions, watchdog reports, traces, Gantt charts and the simulator
+  all write and read labels through `task_label` and `parse_label` here. CSV schedules
+  (`schedules/custom.py`) write the same form and may leave out ``s<stage>`` when a row
+  holds one stage, its own; they build their cells on `KIND_LETTERS` and `TaskType`.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 
 __all__ = [
     "DEFAULT_LATENCIES",
+    "KIND_LETTERS",
     "KIND_NAMES",
     "ScheduleEntry",
     "ScheduleTasks",
@@ -27,6 +30,7 @@ __all__ = [
     "TaskType",
     "describe_label",
     "entry_tasks",
+    "kind_latencies",
     "label_latency",
     "parse_label",
     "task_label",
@@ -44,6 +48,9 @@ class TaskType(enum.Enum):
     def __repr__(self) -> str:
         return f"TaskType.{self.name}"
 
+
+# The kind letters, in TaskType order: "FBIW".
+KIND_LETTERS = "".join(kind.value for kind in TaskType)
 
 # Human words for each kind letter (watchdog reports, trace arguments).
 KIND_NAMES: Mapping[str, str] = {
@@ -100,15 +107,23 @@ def task_label(entry: ScheduleEntry) -> str:
 
 @dataclass(frozen=True)
 class TaskPart:
-    """One part of a label: ``F3s1`` is ``TaskPart('F', 3, 1)``; ``preg0`` is
-    ``TaskPart('pre', None, None)`` (code outside the microbatch loop)."""
+    """One part of a parsed label (`Note: task labels`).
+
+    ``F3s1`` is ``TaskPart('F', 3, 1)``; ``preg0`` is ``TaskPart('pre', None, None)``
+    (code outside the microbatch loop).
+
+    Attributes:
+        kind: Kind letter, ``'pre'``/``'post'`` for a segment, else the text's leading letters.
+        microbatch: Microbatch index, or None outside the microbatch loop.
+        stage: Stage index, or None outside the microbatch loop.
+    """
 
     kind: str
     microbatch: int | None
     stage: int | None
 
 
-_PART = re.compile(r"([FBIW])(\d+)s(\d+)")
+_PART = re.compile(rf"([{KIND_LETTERS}])(\d+)s(\d+)")
 _SEGMENT = re.compile(r"(pre|post)\d*g\d+")
 _NOT_LETTER = re.compile(r"[^A-Za-z].*")
 
@@ -139,7 +154,14 @@ def parse_label(label: str) -> tuple[TaskPart, ...]:
 
 
 def describe_label(label: str) -> str:
-    """Returns e.g. ``task B3s1 (backward, microbatch 3, stage 1)``; other labels as is."""
+    """Returns a label in words, for watchdog and error reports.
+
+    Args:
+        label: A task label, e.g. ``B3s1``; segments and other text are kept as they are.
+
+    Returns:
+        E.g. ``task B3s1 (backward, microbatch 3, stage 1)``; ``task preg0`` for a segment.
+    """
     words = [
         f"{KIND_NAMES[p.kind]}, microbatch {p.microbatch}, stage {p.stage}"
         for p in parse_label(label)
@@ -148,20 +170,37 @@ def describe_label(label: str) -> str:
     return f"task {label} ({'; '.join(words)})" if words else f"task {label}"
 
 
-_LATENCY_BY_LETTER = {kind.value: value for kind, value in DEFAULT_LATENCIES.items()}
+def kind_latencies(latencies: Mapping[TaskType, float] | None = None) -> dict[str, float]:
+    """Returns task latencies keyed by kind letter: `DEFAULT_LATENCIES` updated by ``latencies``.
+
+    Args:
+        latencies: Latencies that replace the defaults of their kinds, or None.
+
+    Returns:
+        A dict from kind letter (``'F'``, ``'B'``, ``'I'``, ``'W'``) to latency.
+    """
+    merged = {**DEFAULT_LATENCIES, **(latencies or {})}
+    return {kind.value: float(value) for kind, value in merged.items()}
 
 
 def label_latency(label: str) -> float:
     """Returns the default latency of a labelled task: the sum over its parts, 0 for ``''``.
+
+    Args:
+        label: A task label (`Note: task labels`), fused or not, or ``''``.
+
+    Returns:
+        The sum of the parts' `DEFAULT_LATENCIES`.
 
     Raises:
         ValueError: if a part is not a pipeline task (a segment has no default latency).
     """
     if not label:
         return 0.0
+    latency = kind_latencies()
     total = 0.0
     for part in parse_label(label):
-        if part.kind not in _LATENCY_BY_LETTER or part.microbatch is None:
+        if part.kind not in latency or part.microbatch is None:
             raise ValueError(f"no default latency for task {label!r}")
-        total += _LATENCY_BY_LETTER[part.kind]
+        total += latency[part.kind]
     return total

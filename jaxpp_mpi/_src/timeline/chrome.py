@@ -7,9 +7,10 @@ Note: trace format.
   track an MPMD group (`tid` = group), named by `process_name` / `thread_name` metadata
   events (`"ph": "M"`). Every `TraceEvent` (see `Note: trace events`) becomes one
   complete event (`"ph": "X"`): a timed Run has `cat` 'task', its task label as `name`
-  and args `kind` ('F', 'B', 'I', 'W'; fused tasks join kinds with '+', as 'F+B'; code
-  outside the microbatch loop is 'pre' or 'post'), `microbatch` and `stage` (lists for a
-  fused task, absent outside the loop); a message instruction has `cat` 'message', its
+  and, from `schedules.tasks.parse_label` (see `Note: task labels`), args `kind` ('F',
+  'B', 'I', 'W'; fused tasks join kinds with '+', as 'F+B'; code outside the microbatch
+  loop is 'pre' or 'post'), `microbatch` and `stage` (lists for a fused task, absent
+  outside the loop); a message instruction has `cat` 'message', its
   kind ('send', 'recv', 'sendrecv', 'transfer') as `name`, and its peer(s), tag(s),
   buffer(s) and bytes as args. `ts` and `dur` are microseconds from the earliest event;
   `otherData.start_unix_ns` is that event's wall-clock time.
@@ -25,49 +26,15 @@ Note: trace clocks.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import os
-import re
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+from jaxpp_mpi._src.schedules.tasks import parse_label
 from jaxpp_mpi._src.timeline.timing import TraceEvent, record_trace_events
 
-__all__ = ["TaskPart", "chrome_trace", "export", "load", "parse_label", "record"]
-
-_PART = re.compile(r"([FBIW])(\d+)s(\d+)")
-_SEGMENT = re.compile(r"(pre|post)\d*g\d+")  # code outside the loop: 'preg0', 'post1g0'
-_NOT_LETTER = re.compile(r"[^A-Za-z].*")
-
-
-@dataclasses.dataclass(frozen=True)
-class TaskPart:
-    """One task of a task label: 'F3s1' is `TaskPart('F', 3, 1)`; 'preg0' is
-    `TaskPart('pre', None, None)` (code outside the microbatch loop)."""
-
-    kind: str
-    microbatch: int | None
-    stage: int | None
-
-
-def parse_label(label: str) -> tuple[TaskPart, ...]:
-    """The tasks of a Run's task label, fused parts ('F3s1+B1s1') in order.
-
-    Code outside the microbatch loop ('preg0', 'post1g0': segment, level, group) is kind
-    'pre' or 'post'; any other part keeps its leading letters as its kind ('' -> 'other').
-    """
-    parts = []
-    for text in label.split("+"):
-        m = _PART.fullmatch(text)
-        segment = _SEGMENT.fullmatch(text)
-        if m:
-            parts.append(TaskPart(m[1], int(m[2]), int(m[3])))
-        elif segment:
-            parts.append(TaskPart(segment[1], None, None))
-        else:
-            parts.append(TaskPart(_NOT_LETTER.sub("", text) or "other", None, None))
-    return tuple(parts)
+__all__ = ["chrome_trace", "export", "load", "record"]
 
 
 def record() -> contextlib.AbstractContextManager[list[TraceEvent]]:

@@ -21,15 +21,21 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from jaxpp_mpi._src.schedules.check import DEFAULT_LATENCIES, ScheduleAnalysis
-from jaxpp_mpi._src.schedules.library import TaskType, entry_tasks
-from jaxpp_mpi._src.timeline.chrome import parse_label
+from jaxpp_mpi._src.schedules.check import ScheduleAnalysis
+from jaxpp_mpi._src.schedules.tasks import (
+    KIND_LETTERS,
+    TaskType,
+    entry_tasks,
+    kind_latencies,
+    parse_label,
+    task_label,
+)
 
 __all__ = ["COLORS", "Cell", "Chart", "draw_png", "schedule_chart", "trace_chart"]
 
 COLORS = {"F": "#5b9bd5", "B": "#ed7d31", "I": "#70ad47", "W": "#9e6ebd",
           "other": "#bfbfbf", "message": "#d9d9d9"}
-_UNIT = {k.value: v for k, v in DEFAULT_LATENCIES.items()}
+_TASK_KINDS = frozenset(KIND_LETTERS)
 _MISSING = ("drawing PNG charts needs matplotlib, an optional extra of jaxpp_mpi: "
             "pip install 'jaxpp_mpi[plot]' (or pip install matplotlib)")
 
@@ -69,7 +75,7 @@ class Chart:
 
     def tasks(self) -> list[Cell]:
         """The cells of pipeline tasks (F, B, I, W)."""
-        return [c for c in self.cells if c.kind in _UNIT]
+        return [c for c in self.cells if c.kind in _TASK_KINDS]
 
 
 def _split(start: float, end: float, kinds: Sequence[str],
@@ -102,14 +108,17 @@ def schedule_chart(
     latencies: Mapping[TaskType, float] | None = None,
     title: str = "",
 ) -> Chart:
-    """The chart of a schedule's simulated timeline.
+    """Returns the chart of a schedule's simulated timeline.
 
     Args:
       analysis: from `analyze_schedule(schedule, n, latencies)`.
       latencies: the task latencies it used (to split fused tasks); defaults if None.
       title: the chart's title.
+
+    Returns:
+      One row per group, times in task latency units.
     """
-    lat = {k.value: v for k, v in {**DEFAULT_LATENCIES, **(latencies or {})}.items()}
+    lat = kind_latencies(latencies)
     cells = []
     for g, row in enumerate(analysis.timeline):
         for e in row:
@@ -117,7 +126,7 @@ def schedule_chart(
             spans = _split(e.start, e.end, [t.type.value for t in tasks], lat)
             for t, (a, b) in zip(tasks, spans):
                 cells.append(Cell(g, a, b, t.type.value, str(t.microbatch), t.stage_id,
-                                  label=str(t)))
+                                  label=task_label(t)))
     rows = tuple(f"group {g}" for g in range(len(analysis.timeline)))
     return Chart(rows, _with_chunks(cells), "time (task latency units)", title)
 
@@ -127,9 +136,14 @@ def _bad(what: str) -> ValueError:
 
 
 def trace_chart(trace: Mapping[str, Any], title: str = "") -> Chart:
-    """The chart of a Chrome trace from `jaxpp_mpi.trace.export` (see `Note: trace format`).
+    """Returns the chart of a Chrome trace from `jaxpp_mpi.trace.export`.
 
-    One row per (process, thread) track; times in ms from the first slice.
+    Args:
+      trace: the trace (see `Note: trace format`), e.g. from `jaxpp_mpi.trace.load`.
+      title: the chart's title.
+
+    Returns:
+      One row per (process, thread) track; times in ms from the first slice.
 
     Raises:
       ValueError: if the trace's events do not have the fields `export` writes.
@@ -162,6 +176,7 @@ def trace_chart(trace: Mapping[str, Any], title: str = "") -> Chart:
         return f"{process}: {thread}" if several else thread
 
     origin = min((ev["ts"] for ev in slices), default=0.0)
+    unit = kind_latencies()
     cells = []
     for ev in slices:
         row = row_of[ev["pid"], ev["tid"]]
@@ -170,8 +185,8 @@ def trace_chart(trace: Mapping[str, Any], title: str = "") -> Chart:
             cells.append(Cell(row, a, b, "message", "", label=ev["name"]))
             continue
         parts = parse_label(ev["name"])
-        for p, (s, e) in zip(parts, _split(a, b, [p.kind for p in parts], _UNIT)):
-            kind = p.kind if p.kind in _UNIT else "other"
+        for p, (s, e) in zip(parts, _split(a, b, [p.kind for p in parts], unit)):
+            kind = p.kind if p.kind in unit else "other"
             text = str(p.microbatch) if p.microbatch is not None else p.kind
             cells.append(Cell(row, s, e, kind, text, p.stage, label=ev["name"]))
     rows = tuple(row_name(*t) for t in tracks)
@@ -191,6 +206,10 @@ def _matplotlib() -> tuple[Any, Any, Any]:
 
 def draw_png(chart: Chart, path: str | os.PathLike) -> None:
     """Draws `chart` (see `Note: gantt charts`) to the PNG file `path`.
+
+    Args:
+      chart: what to draw.
+      path: the PNG file to write.
 
     Raises:
       ImportError: if matplotlib is not installed, saying how to install it.

@@ -19,7 +19,7 @@ def run(capsys, *argv):
 
 
 def test_std_1f1b_view(capsys):
-    status, out, err = run(capsys, "Std1F1B", "--stages", "4", "--mubatches", "8")
+    status, out, err = run(capsys, "Std1F1B", "--stages", "4", "--microbatches", "8")
     assert status == 0 and err == ""
     lines = out.splitlines()
     assert lines[0] == "Std1F1B(num_stages=4) with 8 microbatches"
@@ -34,9 +34,9 @@ def test_std_1f1b_view(capsys):
 @pytest.mark.parametrize(
     "argv,needle",
     [
-        (["GPipe", "--stages", "2", "--mubatches", "3"], "peak activations 3"),
-        (["eager1f1b", "--stages", "3", "--mubatches", "4"], "Eager1F1B(num_stages=3)"),
-        (["ZeroBubble", "--stages", "3", "--mubatches", "3"], "W2"),
+        (["GPipe", "--stages", "2", "--microbatches", "3"], "peak activations 3"),
+        (["eager1f1b", "--stages", "3", "--microbatches", "4"], "Eager1F1B(num_stages=3)"),
+        (["ZeroBubble", "--stages", "3", "--microbatches", "3"], "W2"),
         (
             [
                 "Interleaved1F1B",
@@ -44,19 +44,25 @@ def test_std_1f1b_view(capsys):
                 "4",
                 "--mpmd-dim",
                 "2",
-                "--mubatches",
+                "--microbatches",
                 "4",
                 "--fuse-steady-state",
             ],
             "+B",
         ),
-        (["KimiK2", "--stages", "4", "--mpmd-dim", "2", "--mubatches", "2"], "F0s2"),
-        (["DualPipeV", "--stages", "4", "--mubatches", "4"], "DualPipeV(num_stages=4, mpmd_dim=2)"),
+        (["KimiK2", "--stages", "4", "--mpmd-dim", "2", "--microbatches", "2"], "F0s2"),
         (
-            ["Std1F1B", "--stages", "2", "--mubatches", "2", "--latency", "F=0.5,B=1"],
+            ["DualPipeV", "--stages", "4", "--microbatches", "4"],
+            "DualPipeV(num_stages=4, mpmd_dim=2)",
+        ),
+        (
+            ["Std1F1B", "--stages", "2", "--microbatches", "2", "--latency", "F=0.5,B=1"],
             "latencies F=0.5 B=1 I=1 W=1",
         ),
-        (["Std1F1B", "--stages", "2", "--mubatches", "2", "--comm-latency", "0.5"], "makespan 10,"),
+        (
+            ["Std1F1B", "--stages", "2", "--microbatches", "2", "--comm-latency", "0.5"],
+            "makespan 10,",
+        ),
     ],
 )
 def test_views(capsys, argv, needle):
@@ -68,32 +74,38 @@ def test_views(capsys, argv, needle):
 @pytest.mark.parametrize(
     "argv,needle",
     [
-        (["Nope", "--stages", "4", "--mubatches", "8"], "unknown schedule 'Nope'"),
-        (["Std1F1B", "--stages", "0", "--mubatches", "8"], "num_stages must be a positive"),
-        (["Std1F1B", "--stages", "4"], "needs --stages and --mubatches"),
-        (["Std1F1B", "--stages", "x", "--mubatches", "2"], "invalid int value"),
-        (["Std1F1B", "--stages", "2", "--mubatches", "2", "--bogus"], "unrecognized arguments"),
-        (["Std1F1B", "--stages", "4", "--mubatches", "0"], "got 0"),
-        (["ZeroBubble", "--stages", "4", "--mubatches", "2"], "needs at least num_stages=4"),
-        (["Interleaved1F1B", "--stages", "8", "--mubatches", "8"], "needs --mpmd-dim"),
+        (["Nope", "--stages", "4", "--microbatches", "8"], "unknown schedule 'Nope'"),
+        (["Std1F1B", "--stages", "0", "--microbatches", "8"], "num_stages must be a positive"),
+        (["Std1F1B", "--stages", "4"], "needs --stages and --microbatches"),
+        (["Std1F1B", "--stages", "x", "--microbatches", "2"], "invalid int value"),
+        (["Std1F1B", "--stages", "2", "--microbatches", "2", "--bogus"], "unrecognized arguments"),
+        (["Std1F1B", "--stages", "4", "--microbatches", "0"], "got 0"),
+        (["ZeroBubble", "--stages", "4", "--microbatches", "2"], "needs at least num_stages=4"),
+        (["Interleaved1F1B", "--stages", "8", "--microbatches", "8"], "needs --mpmd-dim"),
         (
-            ["Interleaved1F1B", "--stages", "8", "--mpmd-dim", "3", "--mubatches", "8"],
+            ["Interleaved1F1B", "--stages", "8", "--mpmd-dim", "3", "--microbatches", "8"],
             "not divisible",
         ),
         (
-            ["Interleaved1F1B", "--stages", "8", "--mpmd-dim", "4", "--mubatches", "9"],
+            ["Interleaved1F1B", "--stages", "8", "--mpmd-dim", "4", "--microbatches", "9"],
             "cannot run 9 microbatches",
         ),
-        (["GPipe", "--stages", "4", "--mubatches", "8", "--mpmd-dim", "2"], "one stage per group"),
         (
-            ["GPipe", "--stages", "4", "--mubatches", "8", "--fuse-steady-state"],
+            ["GPipe", "--stages", "4", "--microbatches", "8", "--mpmd-dim", "2"],
+            "one stage per group",
+        ),
+        (
+            ["GPipe", "--stages", "4", "--microbatches", "8", "--fuse-steady-state"],
             "only applies to Interleaved1F1B",
         ),
-        (["DualPipeV", "--stages", "5", "--mubatches", "8"], "exactly 2 * mpmd_dim"),
-        (["Std1F1B", "--stages", "2", "--mubatches", "2", "--latency", "X=1"], "--latency"),
-        (["Std1F1B", "--stages", "2", "--mubatches", "2", "--latency", "F=-1"], "--latency"),
-        (["Std1F1B", "--stages", "2", "--mubatches", "2", "--comm-latency", "-1"], "comm-latency"),
-        (["Std1F1B", "--stages", "1000", "--mubatches", "1000"], "too large to display"),
+        (["DualPipeV", "--stages", "5", "--microbatches", "8"], "exactly 2 * mpmd_dim"),
+        (["Std1F1B", "--stages", "2", "--microbatches", "2", "--latency", "X=1"], "--latency"),
+        (["Std1F1B", "--stages", "2", "--microbatches", "2", "--latency", "F=-1"], "--latency"),
+        (
+            ["Std1F1B", "--stages", "2", "--microbatches", "2", "--comm-latency", "-1"],
+            "comm-latency",
+        ),
+        (["Std1F1B", "--stages", "1000", "--microbatches", "1000"], "too large to display"),
         ([], "name a schedule"),
         (["--from-csv", "/nonexistent/s.csv"], "No such file"),
     ],
@@ -107,13 +119,13 @@ def test_errors_are_one_line_with_status_2(capsys, argv, needle):
 
 def test_csv_out_and_in(tmp_path, capsys):
     path = str(tmp_path / "s.csv")
-    status, out, _ = run(capsys, "Std1F1B", "--stages", "3", "--mubatches", "4", "--csv", path)
+    status, out, _ = run(capsys, "Std1F1B", "--stages", "3", "--microbatches", "4", "--csv", path)
     assert status == 0 and out.rstrip().endswith(f"wrote {path}")
     assert CustomSchedule.from_csv(path).tasks(4) == Std1F1B(3).tasks(4)
     status, out2, _ = run(capsys, "--from-csv", path)
     assert status == 0 and out2.startswith("CustomSchedule(num_stages=3, mpmd_dim=3, ")
     assert out2.split("\n", 1)[1] == out.split("\n", 1)[1].rsplit("\n\nwrote", 1)[0] + "\n"
-    status, _, err = run(capsys, "--from-csv", path, "--mubatches", "5")
+    status, _, err = run(capsys, "--from-csv", path, "--microbatches", "5")
     assert status == 2 and "written for 4 microbatches" in err
     (tmp_path / "bad.csv").write_text("F0,B0\nB0,F0\n")
     status, _, err = run(capsys, "--from-csv", str(tmp_path / "bad.csv"))
@@ -123,7 +135,8 @@ def test_csv_out_and_in(tmp_path, capsys):
 def test_module_entry_point():
     env = {**os.environ, "PYTHONPATH": ROOT}
     ok = subprocess.run(
-        [sys.executable, "-m", "jaxpp_mpi.schedules", "GPipe", "--stages", "2", "--mubatches", "2"],
+        [sys.executable, "-m", "jaxpp_mpi.schedules", "GPipe", "--stages", "2",
+         "--microbatches", "2"],
         capture_output=True,
         text=True,
         env=env,
@@ -131,10 +144,30 @@ def test_module_entry_point():
     )
     assert ok.returncode == 0 and "makespan 9" in ok.stdout
     bad = subprocess.run(
-        [sys.executable, "-m", "jaxpp_mpi.schedules", "Bogus", "--stages", "2", "--mubatches", "2"],
+        [sys.executable, "-m", "jaxpp_mpi.schedules", "Bogus", "--stages", "2",
+         "--microbatches", "2"],
         capture_output=True,
         text=True,
         env=env,
         cwd=ROOT,
     )
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "Traceback" not in bad.stderr
+
+
+def test_deprecated_mubatches_flag_still_works_and_is_hidden(capsys):
+    old = run(capsys, "Std1F1B", "--stages", "4", "--mubatches", "8")
+    new = run(capsys, "Std1F1B", "--stages", "4", "--microbatches", "8")
+    assert old == new and old[0] == 0
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    help_text = capsys.readouterr().out
+    assert "--microbatches" in help_text and "--mubatches" not in help_text.replace(
+        "--microbatches", ""
+    )
+
+
+def test_viewer_and_short_names_share_one_registry():
+    from jaxpp_mpi._src.schedules.cli import _BY_CLASS_NAME
+    from jaxpp_mpi.schedules import SCHEDULE_NAMES, schedule_by_name
+
+    assert {type(schedule_by_name(n, 2)) for n in SCHEDULE_NAMES} == set(_BY_CLASS_NAME.values())

@@ -89,7 +89,7 @@ def test_tasks_rejects_another_microbatch_count(tmp_path):
     path = tmp_path / "s.csv"
     schedule_to_csv(Std1F1B(2), 4, path)
     custom = CustomSchedule.from_csv(path)
-    with pytest.raises(ValueError, match=r"written for 4 microbatches, got n_mubatches=8"):
+    with pytest.raises(ValueError, match=r"written for 4 microbatches, got num_microbatches=8"):
         custom.tasks(8)
 
 

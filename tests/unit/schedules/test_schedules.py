@@ -227,8 +227,8 @@ def test_dualpipev_shape():
 def test_checker_rejects_a_broken_schedule():
     @dataclasses.dataclass(frozen=True)
     class Backwards(GPipe):
-        def tasks(self, n_mubatches):
-            return [row[::-1] for row in super().tasks(n_mubatches)]
+        def tasks(self, num_microbatches):
+            return [row[::-1] for row in super().tasks(num_microbatches)]
 
     with pytest.raises(ScheduleError, match=r"Backwards\(num_stages=2\): group 0, position 0"):
         check_schedule(Backwards(2), 2)

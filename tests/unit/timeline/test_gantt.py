@@ -92,7 +92,7 @@ def test_png_from_schedule_and_from_trace(tmp_path):
 
 def test_cli_png_and_from_trace(tmp_path, capsys):
     out = tmp_path / "s.png"
-    assert main(["Std1F1B", "--stages", "2", "--mubatches", "3", "--png", str(out)]) == 0
+    assert main(["Std1F1B", "--stages", "2", "--microbatches", "3", "--png", str(out)]) == 0
     assert f"wrote {out} (12 tasks on 2 rows)" in capsys.readouterr().out and _is_png(out)
     trace_file = tmp_path / "t.json"
     trace_file.write_text(__import__("json").dumps(_trace()))
@@ -113,7 +113,7 @@ def test_missing_matplotlib_is_a_clear_error(tmp_path, capsys, monkeypatch):
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib fails
     out = tmp_path / "s.png"
-    assert main(["GPipe", "--stages", "2", "--mubatches", "2", "--png", str(out)]) == 2
+    assert main(["GPipe", "--stages", "2", "--microbatches", "2", "--png", str(out)]) == 2
     err = capsys.readouterr().err
     assert "needs matplotlib" in err and "pip install 'jaxpp_mpi[plot]'" in err
     assert not out.exists()
