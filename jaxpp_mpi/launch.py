@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import sys
 
-from jaxpp_mpi._src.launch.bind import BindError as BindError
 from jaxpp_mpi._src.launch.bind import Binding as Binding
-from jaxpp_mpi._src.launch.bind import LocalRank as LocalRank
 from jaxpp_mpi._src.launch.bind import bind_local_devices as bind_local_devices
-from jaxpp_mpi._src.launch.bind import detect_local_rank as detect_local_rank
-from jaxpp_mpi._src.launch.bind import launcher_world_size as launcher_world_size
 from jaxpp_mpi._src.launch.bind import main as _main
 from jaxpp_mpi._src.launch.bind import plan_binding as plan_binding
+from jaxpp_mpi._src.launch.env import BindError as BindError
+from jaxpp_mpi._src.launch.env import LocalRank as LocalRank
+from jaxpp_mpi._src.launch.env import detect_local_rank as detect_local_rank
+from jaxpp_mpi._src.launch.env import launcher_world_size as launcher_world_size
 
 __all__ = ["BindError", "Binding", "LocalRank", "bind_local_devices", "detect_local_rank",
            "launcher_world_size", "plan_binding"]

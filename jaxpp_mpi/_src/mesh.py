@@ -17,15 +17,16 @@ Note: Default communicator.
   In MPI mode without an explicit `comm`, the mesh takes `collectives.world_dup()` (a
   duplicate of COMM_WORLD) once, at construction. `Dup` is collective: build an
   `MpmdMesh` at the same point of the program on every rank, and once per program
-  (communicators are a finite resource in some MPI libraries). Nothing here imports
-  mpi4py; the MPI world size is read from an already-imported `mpi4py.MPI` (as under
-  `python -m mpi4py`, which `launch/jpprun` uses) or from the launcher's environment.
+  (communicators are a finite resource in some MPI libraries). Every MPI-mode mesh hands
+  its communicator to the MPI runtime (`runtime.mpi.adopt_comm`), which prepares the job
+  for failures (Note: abort on exception in runtime/failure.py). Nothing here imports
+  mpi4py; the MPI world size is read from an already-imported `mpi4py.MPI` or from the
+  launcher's environment (`launch.env.job_world_size`).
 """
 
 from __future__ import annotations
 
 import math
-import os
 import sys
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
@@ -34,8 +35,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from jaxpp_mpi._src import config
-from jaxpp_mpi._src.launch.bind import launcher_world_size
+from jaxpp_mpi._src.launch.env import job_world_size
 
 __all__ = ["MpmdMesh", "make_mpmd_mesh"]
 
@@ -50,20 +50,30 @@ class Comm(Protocol):
 def _mpi_world_size() -> int:
     """The MPI job's size, without importing mpi4py (see Note: Default communicator).
 
-    Returns 1 when neither an imported, initialised `mpi4py.MPI` nor the launcher's
-    environment says otherwise.
+    Returns:
+      `launch.env.job_world_size()`: 1 when neither an imported, initialised
+      `mpi4py.MPI` nor the launcher's environment says otherwise.
     """
-    mpi = sys.modules.get("mpi4py.MPI")
-    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
-        return int(mpi.COMM_WORLD.Get_size())
-    # The launcher's environment (mpirun, mpiexec, srun; see bind.launcher_world_size).
-    return launcher_world_size(os.environ)
+    return job_world_size()
 
 
 def _default_comm() -> Comm:
     from jaxpp_mpi._src.mpi import collectives  # the MPI layer (imports mpi4py)
 
     return collectives.world_dup()
+
+
+def _adopt(comm: Comm) -> None:
+    """Hands an MPI-mode mesh's communicator to the MPI runtime (Note: Default communicator).
+
+    Without an imported mpi4py no MPI job runs and `comm` is a stand-in (tests): the
+    runtime, which imports mpi4py, is left unloaded.
+    """
+    if "mpi4py.MPI" not in sys.modules:
+        return
+    from jaxpp_mpi._src.runtime.mpi import adopt_comm
+
+    adopt_comm(comm)
 
 
 def _is_addressable(device: Any) -> bool:
@@ -168,11 +178,7 @@ class MpmdMesh:
             )
         if comm is None:
             comm = _default_comm()
-        abort = getattr(comm, "Abort", None)  # stand-in communicators of tests have none
-        if config.options().abort_on_exception and abort and comm.Get_size() > 1:
-            from jaxpp_mpi._src.runtime.failure import install_abort_on_exception
-
-            install_abort_on_exception(int(comm.Get_rank()), abort)
+        _adopt(comm)
         self._is_local = False
         self._comm = comm
         self._mpmd_dim = int(comm.Get_size())

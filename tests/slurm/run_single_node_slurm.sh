@@ -113,7 +113,7 @@ done
 say "node $node idle: $(sinfo -h -o '%P %D %c %t')"
 
 # 4-5. One job per launch method, each checked; every method runs even if one fails.
-train_args="--schedule 1f1b --steps 2 --layers 2 --hidden 32 --heads 2 --seq 16 --vocab 64 --mubatches 4 --mubatch-size 2"
+train_args="--schedule 1f1b --steps 2 --layers 2 --hidden 32 --heads 2 --seq 16 --vocab 64 --microbatches 4 --microbatch-size 2"
 check_job() {  # launcher, output file, sbatch status
   local launcher=$1 out=$2 rc=$3 i n
   [ "$rc" = 0 ] || { echo "job failed (status $rc)"; return 1; }

@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import AxisType, Mesh
 
 from jaxpp_mpi._src import mesh as mesh_mod
-from jaxpp_mpi._src.launch.bind import _WORLD_SIZE_VARS
+from jaxpp_mpi._src.launch.env import WORLD_SIZE_VARS
 from jaxpp_mpi._src.mesh import MpmdMesh, make_mpmd_mesh
 
 
@@ -270,7 +270,7 @@ def test_local_mode_does_not_import_mpi(tmp_path):
         "assert mm.is_local, mm\n"
         "assert not any(m.startswith('mpi4py') for m in sys.modules), 'mpi4py imported'\n"
     )
-    env = {k: v for k, v in os.environ.items() if k not in _WORLD_SIZE_VARS}
+    env = {k: v for k, v in os.environ.items() if k not in WORLD_SIZE_VARS}
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     env["JAX_PLATFORMS"] = "cpu"
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

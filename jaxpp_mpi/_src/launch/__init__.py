@@ -1,1 +1,1 @@
-"""Launching: device binding per rank and the jpprun command line (stdlib only)."""
+"""Launching (stdlib only): the launchers' environment, device binding per rank, jpprun."""

@@ -1,5 +1,8 @@
 """Builds the MPI launcher command line for `launch/jpprun` (stdlib only, no JAX, no MPI).
 
+`launch/jpprun` runs this file as a script by path; it imports only the standard library
+and `env.py` (stdlib only too), so it starts in milliseconds.
+
 Note: Launcher settings.
   Everything a workstation launch needs lives here and nowhere else:
   - Open MPI refuses to run as root unless told (`--allow-run-as-root`); we add it only
@@ -37,9 +40,8 @@ import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 
-_THREADS_ENV = "JAXPP_MPI_THREADS_PER_RANK"
-_GPUS_ENV = "JAXPP_MPI_GPUS_PER_RANK"
-_SINGLE_THREAD_XLA = "--xla_cpu_multi_thread_eigen=false"
+from jaxpp_mpi._src.launch import env as launch_env
+from jaxpp_mpi._src.launch.env import GPUS_PER_RANK_ENV, THREADS_PER_RANK_ENV
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,17 +92,6 @@ def usable_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - non-Linux
         return os.cpu_count() or 1
-
-
-def thread_env(threads: int, base_env: Mapping[str, str]) -> dict[str, str]:
-    """Environment entries that hold each rank's XLA/OpenMP to `threads` threads."""
-    env = {_THREADS_ENV: str(threads), "OMP_NUM_THREADS": str(threads)}
-    if threads == 1:
-        flags = base_env.get("XLA_FLAGS", "")
-        if _SINGLE_THREAD_XLA not in flags.split():
-            flags = (flags + " " + _SINGLE_THREAD_XLA).strip()
-        env["XLA_FLAGS"] = flags
-    return env
 
 
 def gpus_for_ranks(
@@ -180,10 +171,10 @@ def build_plan(
         raise ValueError(f"jpprun: --threads-per-rank must be >= 1, got {threads_per_rank}")
     if not command:
         raise ValueError("jpprun: no program given (e.g. `jpprun -n 2 python train.py`)")
-    env = thread_env(threads_per_rank, base_env)
+    env = launch_env.thread_env(threads_per_rank, base_env)
     gpus, note = gpus_for_ranks(num_ranks, gpus_per_rank, visible_gpus, base_env)
     if gpus:
-        env[_GPUS_ENV] = str(gpus)
+        env[GPUS_PER_RANK_ENV] = str(gpus)
         command = [python, "-m", "jaxpp_mpi.launch", "--gpus-per-rank", str(gpus), "--",
                    *command]
     oversubscribed = num_ranks * threads_per_rank > cores
@@ -248,15 +239,16 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument(
         "--threads-per-rank",
         type=int,
-        default=int(os.environ.get(_THREADS_ENV, "1")),
-        help=f"compute threads per rank (default 1, or ${_THREADS_ENV})",
+        default=int(os.environ.get(THREADS_PER_RANK_ENV, "1")),
+        help=f"compute threads per rank (default 1, or ${THREADS_PER_RANK_ENV})",
     )
     parser.add_argument(
         "--gpus-per-rank",
         type=int,
-        default=int(os.environ[_GPUS_ENV]) if _GPUS_ENV in os.environ else None,
+        default=(int(os.environ[GPUS_PER_RANK_ENV]) if GPUS_PER_RANK_ENV in os.environ
+                 else None),
         help="GPUs per rank, bound by local rank (default: the visible GPUs shared "
-             f"evenly, or ${_GPUS_ENV}; 0: CPU only)",
+             f"evenly, or ${GPUS_PER_RANK_ENV}; 0: CPU only)",
     )
     parser.add_argument("--mpirun", default=None, help="MPI launcher (default: the venv's)")
     parser.add_argument("--mpi-arg", action="append", default=[], help="extra mpirun argument")
@@ -273,15 +265,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         command = command[1:]
     command = with_abort_on_error(command, sys.executable)  # the venv's Python on every rank
     mpirun = args.mpirun or find_mpirun()
-    from jaxpp_mpi._src.launch import bind  # stdlib only; imported here as it imports us
-
     try:
         plan = build_plan(
             args.num_ranks,
             command,
             threads_per_rank=args.threads_per_rank,
             gpus_per_rank=args.gpus_per_rank,
-            visible_gpus=len(bind.visible_gpus(os.environ, bind.count_node_gpus())),
+            visible_gpus=len(launch_env.visible_gpus(os.environ, launch_env.count_node_gpus())),
             python=sys.executable,
             mpirun=mpirun,
             vendor=detect_vendor(mpirun),

@@ -166,8 +166,18 @@ class Chain:
 
 
 def chain_fn(ops: tuple[Op, ...], comm: Any) -> Any:
-    """A traceable `fn(order, *sends) -> (order, *received)` running `ops` (user dtypes
-    in and out: bfloat16 and friends travel bitcast, see `Note: Wire dtypes`)."""
+    """A traceable `fn(order, *sends) -> (order, *received)` running `ops`.
+
+    User dtypes go in and come out: bfloat16 and friends travel bitcast (see
+    `Note: Wire dtypes`).
+
+    Args:
+      ops: the chain's sends and receives, in order (see `chain`).
+      comm: the communicator.
+
+    Returns:
+      The function, to jit once per chain.
+    """
     wire_ops = tuple(op[:-1] + (wire_dtype(op[-1]).name,) if op[0] != "send" else op
                      for op in ops)
     recv_dtypes = [op[-1] for op in ops if op[0] != "send"]
@@ -180,8 +190,10 @@ def chain_fn(ops: tuple[Op, ...], comm: Any) -> Any:
 
 
 def quiesce() -> None:
-    """Waits until this process's dispatched MPI work is done: effectful computations
-    (`jax.effects_barrier`) and every live message `Chain`."""
+    """Waits until this process's dispatched MPI work is done.
+
+    That is effectful computations (`jax.effects_barrier`) and every live message `Chain`.
+    """
     jax.effects_barrier()
     for c in list(_chains):
         c.wait()

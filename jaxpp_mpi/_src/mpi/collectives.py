@@ -57,8 +57,10 @@ def sendrecv(
     x: jax.Array, dst: int, send_tag: int, shape, dtype, src: int, recv_tag: int,
     comm: MPI.Comm,
 ) -> jax.Array:
-    """Sends `x` to `dst` and receives a `shape`/`dtype` array from `src`, together
-    (MPI_Sendrecv: cannot deadlock against the peer's matching exchange)."""
+    """Sends `x` to `dst` and receives a `shape`/`dtype` array from `src`, together.
+
+    MPI_Sendrecv: it cannot deadlock against the peer's matching exchange (traceable).
+    """
     out = mpi4jax.sendrecv(
         to_wire(x), wire_like(shape, dtype), source=src, dest=dst,
         sendtag=send_tag, recvtag=recv_tag, comm=comm,
@@ -87,7 +89,16 @@ def library_version() -> str:
 
 
 def gather_bytes(data: bytes, comm: MPI.Comm, root: int = 0) -> list[bytes] | None:
-    """Every rank's `data`, in rank order, at `root` (None on the other ranks)."""
+    """Every rank's `data`, in rank order, at `root` (collective, pickle-free).
+
+    Args:
+      data: this rank's bytes (any length; lengths may differ between ranks).
+      comm: the communicator.
+      root: the rank that receives.
+
+    Returns:
+      At `root`, one `bytes` per rank in rank order; None on the other ranks.
+    """
     sizes = np.zeros(comm.Get_size(), np.int64) if comm.Get_rank() == root else None
     comm.Gather(np.array([len(data)], np.int64), sizes, root=root)
     mine = np.frombuffer(data, np.uint8)
@@ -101,7 +112,16 @@ def gather_bytes(data: bytes, comm: MPI.Comm, root: int = 0) -> list[bytes] | No
 
 
 def bcast_bytes(data: bytes | None, comm: MPI.Comm, root: int = 0) -> bytes:
-    """`data` of `root` on every rank (other ranks pass None)."""
+    """`root`'s `data` on every rank (collective, pickle-free).
+
+    Args:
+      data: the bytes at `root`; other ranks pass None.
+      comm: the communicator.
+      root: the rank that sends.
+
+    Returns:
+      `root`'s bytes, on every rank.
+    """
     size = np.array([len(data) if comm.Get_rank() == root else 0], np.int64)
     comm.Bcast(size, root=root)
     buf = np.frombuffer(data, np.uint8).copy() if comm.Get_rank() == root else None
@@ -119,7 +139,16 @@ def clock_offsets_ns(
     Ranks on root's host share its clock (offset 0). For the others (every rank but root
     with `always`) the offset comes from `rounds` ping-pongs with root: the rank's reply
     time against the midpoint of the shortest round trip (Cristian's algorithm; error at
-    most half that round trip). Collective over `comm`; None on the other ranks.
+    most half that round trip).
+
+    Args:
+      comm: the communicator (collective over it).
+      root: the rank whose clock is the reference.
+      rounds: ping-pongs per remote rank.
+      always: measure every rank but root, even those on root's host (tests).
+
+    Returns:
+      At `root`, the offset of each rank in ns; None on the other ranks.
     """
     rank = comm.Get_rank()
     if always:  # the same on every rank, so every rank skips the bcast alike
@@ -161,8 +190,9 @@ def gather(x: jax.Array, root: int, comm: MPI.Comm) -> jax.Array:
 
 
 def scatter(x: jax.Array, root: int, comm: MPI.Comm) -> jax.Array:
-    """Sends slice `i` of `root`'s `x` (shape `(comm.size, *shape)`) to rank `i`
-    (traceable); on the other ranks `x` (shape `shape`) gives only shape and dtype.
+    """Sends slice `i` of `root`'s `x` (shape `(comm.size, *shape)`) to rank `i`.
+
+    Traceable; on the other ranks `x` (shape `shape`) gives only shape and dtype.
 
     Returns:
       This rank's slice, of shape `shape`.
@@ -171,8 +201,10 @@ def scatter(x: jax.Array, root: int, comm: MPI.Comm) -> jax.Array:
 
 
 def allgather_object(obj, comm: MPI.Comm) -> list:
-    """Host-side allgather of a small picklable Python value (metadata, never array
-    data): element `r` of the result is rank `r`'s `obj`. Blocking, not traceable."""
+    """Host-side allgather of a small picklable Python value (metadata, never arrays).
+
+    Blocking, not traceable: element `r` of the result is rank `r`'s `obj`.
+    """
     return comm.allgather(obj)
 
 

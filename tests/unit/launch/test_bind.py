@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from jaxpp_mpi import launch
-from jaxpp_mpi._src.launch import bind
+from jaxpp_mpi._src.launch import env as launch_env
 
 # Environments as the launchers set them (trimmed to what matters), rank 1 of 2 on a node.
 # srun: recorded from `srun --mpi=pmix -n 2` under Slurm 22.05 (tests/slurm).
@@ -34,17 +34,17 @@ SRUN_DAEMON = {"SLURM_LOCALID": "0", "SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS"
 
 
 @pytest.mark.parametrize("env, expected", [
-    (OPENMPI, bind.LocalRank(1, 2, 3, 4, "openmpi")),
-    (HYDRA, bind.LocalRank(1, 2, 3, 4, "hydra")),
-    (MVAPICH, bind.LocalRank(1, 2, 3, 4, "mvapich")),
-    (SRUN_PMIX, bind.LocalRank(1, 2, 1, 2, "slurm")),
-    ({**SRUN_DAEMON, **OPENMPI}, bind.LocalRank(1, 2, 3, 4, "openmpi")),
-    ({**SRUN_DAEMON, **HYDRA}, bind.LocalRank(1, 2, 3, 4, "hydra")),
-    ({"PMI_RANK": "1", "PMI_SIZE": "2"}, bind.LocalRank(1, 2, 1, 2, "pmi")),
+    (OPENMPI, launch_env.LocalRank(1, 2, 3, 4, "openmpi")),
+    (HYDRA, launch_env.LocalRank(1, 2, 3, 4, "hydra")),
+    (MVAPICH, launch_env.LocalRank(1, 2, 3, 4, "mvapich")),
+    (SRUN_PMIX, launch_env.LocalRank(1, 2, 1, 2, "slurm")),
+    ({**SRUN_DAEMON, **OPENMPI}, launch_env.LocalRank(1, 2, 3, 4, "openmpi")),
+    ({**SRUN_DAEMON, **HYDRA}, launch_env.LocalRank(1, 2, 3, 4, "hydra")),
+    ({"PMI_RANK": "1", "PMI_SIZE": "2"}, launch_env.LocalRank(1, 2, 1, 2, "pmi")),
     ({**OPENMPI, "JAXPP_MPI_LOCAL_RANK": "0", "JAXPP_MPI_LOCAL_SIZE": "1"},
-     bind.LocalRank(0, 1, None, None, "override")),
-    (SBATCH_SHELL, bind.LocalRank(0, 1, None, None, "none")),
-    ({}, bind.LocalRank(0, 1, None, None, "none")),
+     launch_env.LocalRank(0, 1, None, None, "override")),
+    (SBATCH_SHELL, launch_env.LocalRank(0, 1, None, None, "none")),
+    ({}, launch_env.LocalRank(0, 1, None, None, "none")),
 ], ids=["openmpi", "hydra", "mvapich", "srun", "mpirun-in-slurm", "hydra-in-slurm", "pmi",
         "override", "sbatch-shell", "no-launcher"])
 def test_detect_local_rank(env, expected):
@@ -63,9 +63,9 @@ def test_srun_on_several_nodes_reads_this_nodes_task_count():
     env = {"SLURM_LOCALID": "0", "SLURM_PROCID": "6", "SLURM_NODEID": "3",
            "SLURM_STEP_NUM_TASKS": "7", "SLURM_STEP_NUM_NODES": "4",
            "SLURM_STEP_TASKS_PER_NODE": "2(x3),1"}
-    assert launch.detect_local_rank(env) == bind.LocalRank(0, 1, 6, 7, "slurm")
-    assert bind.slurm_tasks_on_node("2(x3),1", 2) == 2
-    assert bind.slurm_tasks_on_node("4", 0) == 4
+    assert launch.detect_local_rank(env) == launch_env.LocalRank(0, 1, 6, 7, "slurm")
+    assert launch_env.slurm_tasks_on_node("2(x3),1", 2) == 2
+    assert launch_env.slurm_tasks_on_node("4", 0) == 4
     # Without the per-node list: --ntasks-per-node, else only a one-node step is known.
     env = {"SLURM_LOCALID": "1", "SLURM_STEP_NUM_TASKS": "8", "SLURM_STEP_NUM_NODES": "2"}
     assert launch.detect_local_rank({**env, "SLURM_NTASKS_PER_NODE": "4"}).local_size == 4
@@ -87,7 +87,7 @@ def test_detect_local_rank_errors(env, match):
         launch.detect_local_rank(env)
 
 
-RANK_1_OF_2 = bind.LocalRank(1, 2, 1, 2, "slurm")
+RANK_1_OF_2 = launch_env.LocalRank(1, 2, 1, 2, "slurm")
 
 
 def _plan(local=RANK_1_OF_2, env=None, cores=range(8), node_gpus=0, **kw):
