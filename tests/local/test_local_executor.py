@@ -19,6 +19,7 @@ from jaxpp_mpi._src.ir.program import (
     Send,
     SendRecv,
 )
+from jaxpp_mpi._src.ir.simulate import verify
 from jaxpp_mpi._src.runtime.executor import execute
 from jaxpp_mpi._src.runtime.local import LocalExecutor, Transfer, local_order
 from jaxpp_mpi._src.timeline.timing import collect_task_times_ms
@@ -42,6 +43,12 @@ def _shardings(group_meshes):
 
 def _on_group(fns: dict, gmesh: jax.sharding.Mesh) -> dict:
     return {name: jax.jit(fn, out_shardings=NamedSharding(gmesh, P())) for name, fn in fns.items()}
+
+
+def local_executor(program: Program, executables, shardings, *, check_leaks: bool = True):
+    """Verifies a hand-built `program`, as the compiler does, then builds its executor."""
+    verify(program, check_leaks=check_leaks)
+    return LocalExecutor(program, executables, shardings)
 
 
 # ----------------------------------------------------------------------------- the model
@@ -129,7 +136,7 @@ def chain_inputs(n: int, seed: int = 0) -> list[np.ndarray]:
 
 def chain_executor(n: int, group_meshes, fns=FNS) -> LocalExecutor:
     executables = [_on_group(fns, group_meshes[g]) for g in range(n)]
-    return LocalExecutor(chain_program(n), executables, _shardings(group_meshes))
+    return local_executor(chain_program(n), executables, _shardings(group_meshes))
 
 
 def _devices(x: jax.Array) -> set:
@@ -188,7 +195,7 @@ def exchange_program() -> Program:
 def test_sendrecv_exchange(group_meshes):
     fns = {"prep": lambda x: (jnp.sin(x),), "combine": lambda a, b: (a * 2 - b,)}
     executables = [_on_group(fns, group_meshes[g]) for g in range(2)]
-    ex = LocalExecutor(exchange_program(), executables, _shardings(group_meshes))
+    ex = local_executor(exchange_program(), executables, _shardings(group_meshes))
     a, b = chain_inputs(1)[0], chain_inputs(1, seed=1)[0]
     got = ex.run([a, b])
     pa, pb = jnp.sin(a), jnp.sin(b)
@@ -237,7 +244,7 @@ def test_without_frees_buffers_stay(group_meshes):
         for g in program.groups
     )
     executables = [_on_group(FNS, group_meshes[g]) for g in range(2)]
-    ex = LocalExecutor(Program(groups), executables, _shardings(group_meshes))
+    ex = local_executor(Program(groups), executables, _shardings(group_meshes), check_leaks=False)
     table = _final_table(ex, chain_inputs(2))
     slot = ex.layout.slot
     assert table[slot(0, 6)] is None  # donated
@@ -287,7 +294,7 @@ def test_missing_executable(group_meshes):
 
 def test_wrong_number_of_executable_groups(group_meshes):
     with pytest.raises(ValueError, match="executables for 1 groups"):
-        LocalExecutor(chain_program(2), [FNS], _shardings(group_meshes))
+        local_executor(chain_program(2), [FNS], _shardings(group_meshes))
 
 
 def test_wrong_step_inputs(group_meshes):
@@ -303,7 +310,7 @@ def test_output_freed_is_rejected(group_meshes):
     g = GroupProgram(0, [(0, 0)], [Run("prep", (0,), (1,)), Free((1,))], [(1, 0)], {0: VEC, 1: VEC})
     ex_fns = [_on_group({"prep": lambda x: (x,)}, group_meshes[0])]
     with pytest.raises(ValueError, match="output 0"):
-        LocalExecutor(Program((g,)), ex_fns, _shardings(group_meshes))
+        local_executor(Program((g,)), ex_fns, _shardings(group_meshes))
 
 
 def test_executable_returning_wrong_count(group_meshes):

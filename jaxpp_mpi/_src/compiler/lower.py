@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping
 
+from jaxpp_mpi._src.compiler.task_graph import TaskGraph, TaskNode, Value
 from jaxpp_mpi._src.ir import passes as program_passes
 from jaxpp_mpi._src.ir import simulate
 from jaxpp_mpi._src.ir.program import (
@@ -15,9 +16,7 @@ from jaxpp_mpi._src.ir.program import (
     Recv,
     Run,
     Send,
-    SendRecv,
 )
-from jaxpp_mpi._src.compiler.task_graph import TaskGraph, TaskNode, Value
 
 __all__ = ["build_program", "build_program_with_names", "live_buffer_profile"]
 
@@ -66,11 +65,21 @@ class _Lowering:
     Note: global order
       Every instruction is appended at one point of a single sequential order of events:
       a Run is an event of its group, and a message is one joint event of both groups
-      (Send on the sender, Recv on the receiver, or a SendRecv on each for a pair of
-      opposite messages). Played in that order, every blocking send meets its receive at
-      once, so the order is itself a rendezvous execution and the program cannot
+      (Send on the sender, Recv on the receiver). A pair of opposite messages between
+      two groups is one joint event too, an *exchange*: each side gets its Send, then
+      its Recv, which is the crossing pattern that `passes.pair_exchanges` fuses into
+      one SendRecv per side (no other pair of messages forms it: two separate events
+      would have to come in opposite orders on the two groups). After that pass, played
+      in this order, every blocking send meets its receive at once, so the order is
+      itself a rendezvous execution (`Note: rendezvous play`) and the program cannot
       deadlock. Rounds, groups and channels are visited in sorted order, so every rank
       builds the same program.
+
+      The lowering does not drive `rendezvous.play`: that player walks instruction
+      lists that already exist, while here the instructions do not exist until the
+      lowering decides them, from every group's next task at once (which values are
+      missing, which exist, which opposite messages pair up). Playing the result again
+      is `simulate.verify`'s job, done once at the end of `build_program_with_names`.
     """
 
     def __init__(self, graph: TaskGraph):
@@ -134,11 +143,11 @@ class _Lowering:
         ]
 
     def _deliver(self, messages: list[_Message]) -> bool:
-        """Appends `messages` as joint events, pairing opposite ones into SendRecv.
+        """Appends `messages` as joint events, opposite ones as exchanges.
 
         Channels between a pair of groups are visited in sorted order; within a channel,
         messages keep their order. The k-th message of lo->hi is paired with the k-th of
-        hi->lo; the rest become Send/Recv.
+        hi->lo into an exchange (`_exchange`); the rest become Send/Recv.
         """
         by_pair: dict[tuple[int, int], tuple[list[_Message], list[_Message]]] = {}
         for m in messages:
@@ -164,13 +173,17 @@ class _Lowering:
         self.groups[m.dst].instrs.append(Recv(rbuf, m.src, -1, self.graph.avals[m.value]))
 
     def _exchange(self, m: _Message, r: _Message) -> None:
-        """`m` (a->b) and `r` (b->a) as one SendRecv on each side."""
+        """`m` (a->b) and `r` (b->a) as Send then Recv on each side.
+
+        The crossing pattern becomes one SendRecv per side in `pair_exchanges` (see
+        `Note: global order`).
+        """
         a, b = m.src, m.dst
         m_send, m_recv = self._take(m)
         r_send, r_recv = self._take(r)
         avals = self.graph.avals
-        self.groups[a].instrs.append(SendRecv(m_send, b, -1, r_recv, b, -1, avals[r.value]))
-        self.groups[b].instrs.append(SendRecv(r_send, a, -1, m_recv, a, -1, avals[m.value]))
+        self.groups[a].instrs += [Send(m_send, b, -1), Recv(r_recv, b, -1, avals[r.value])]
+        self.groups[b].instrs += [Send(r_send, a, -1), Recv(m_recv, a, -1, avals[m.value])]
 
     def _stuck_message(self) -> str:
         lines = []
@@ -185,7 +198,7 @@ class _Lowering:
         return "lowering made no progress (a cycle in the task order?):\n" + "\n".join(lines)
 
     def program(self) -> tuple[Program, BufferNames]:
-        """The Program (tags unassigned, no Frees) and the buffer names."""
+        """The Program (exchanges unpaired, tags unassigned, no Frees) and buffer names."""
         groups = []
         for g, gs in enumerate(self.groups):
             inputs = [(self.input_bufs[v], k) for v, h, k in self.graph.inputs if h == g]
@@ -199,8 +212,10 @@ def build_program_with_names(graph: TaskGraph) -> tuple[Program, BufferNames]:
     """Lowers `graph` to a verified Program, and names every buffer.
 
     The lowering pass: validates the graph, walks it in rounds (see `Note: global
-    order`), then adds Frees (`program_passes.add_frees`), assigns tags
-    (`program_passes.assign_tags`) and verifies the result (`simulate.verify`).
+    order`), then fuses exchanges into SendRecv (`program_passes.pair_exchanges`), adds
+    Frees (`program_passes.add_frees`), assigns tags (`program_passes.assign_tags`) and
+    verifies the result (`simulate.verify`). This is the one verification of a compiled
+    program: the executors take it as verified.
 
     Each round first runs, on every group in turn, its next task if all the task's
     inputs are present on the group (a Run; a donated value is first sent to its other
@@ -227,6 +242,7 @@ def build_program_with_names(graph: TaskGraph) -> tuple[Program, BufferNames]:
     lowering = _Lowering(graph)
     lowering.run()
     program, names = lowering.program()
+    program = program_passes.pair_exchanges(program)
     program = program_passes.assign_tags(program_passes.add_frees(program))
     simulate.verify(program)
     return program, names

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
+from jaxpp_mpi._src.ir import rendezvous
+from jaxpp_mpi._src.ir.passes import Matching, match_messages, recv_half, send_half
 from jaxpp_mpi._src.ir.program import (
     Aval,
     Free,
@@ -18,7 +19,8 @@ from jaxpp_mpi._src.ir.program import (
     Send,
     SendRecv,
 )
-from jaxpp_mpi._src.ir.passes import Matching, match_messages, recv_half, send_half
+from jaxpp_mpi._src.ir.rendezvous import format_grid
+from jaxpp_mpi._src.schedules.tasks import label_latency
 
 __all__ = [
     "Event",
@@ -33,25 +35,25 @@ __all__ = [
 Latency = Callable[[Run], float]
 Transfer = Callable[[Aval], float]
 
-_TASK_LATENCY = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
-
 
 def default_latency(instr: Run) -> float:
-    """Latency of a Run from its task label: F=1, B=2, I=1, W=1, '' = 0.
+    """Returns the latency of a Run from its task label (`schedules.tasks.label_latency`).
 
-    Fused labels joined with '+' ('F3s1+B1s1') sum their parts.
+    F=1, B=2, I=1, W=1, '' = 0; fused labels joined with '+' ('F3s1+B1s1') sum their parts.
+
+    Args:
+      instr: the Run.
+
+    Returns:
+      Its default latency.
 
     Raises:
-      ValueError: if a part does not start with F, B, I or W.
+      ValueError: if a part of its label is not a pipeline task.
     """
-    if not instr.task:
-        return 0.0
-    total = 0.0
-    for part in instr.task.split("+"):
-        if not part or part[0] not in _TASK_LATENCY:
-            raise ValueError(f"no default latency for task {part!r} of `{instr}`")
-        total += _TASK_LATENCY[part[0]]
-    return total
+    try:
+        return label_latency(instr.task)
+    except ValueError as e:
+        raise ValueError(f"{e} of `{instr}`") from None
 
 
 def _no_transfer(aval: Aval) -> float:
@@ -221,125 +223,37 @@ def _check_static(program: Program, check_leaks: bool) -> Matching:
 # ----------------------------------------------------------------------------- the play
 
 
-def format_grid(program: Program, pcs: Sequence[int], depth: int = 6, width: int = 40) -> str:
-    """A step x group grid of the last `depth` instructions each group reached.
-
-    Row 0 holds the instruction at `pcs[g]` (marked '>'), rows -1, -2, ... the ones
-    before it; a finished group shows '(finished)'.
-
-    Args:
-      program: the program.
-      pcs: per group, the index of the instruction it is at (len(instrs) if finished).
-      depth: number of rows.
-      width: characters per cell; longer instructions are cut.
-
-    Returns:
-      The grid as text, one row per line.
-    """
-
-    def cell(g: GroupProgram, k: int) -> str:
-        idx = pcs[g.mpmd_idx] + k
-        if k == 0 and idx >= len(g.instrs):
-            text = "  (finished)"
-        elif 0 <= idx < len(g.instrs):
-            text = f"{'>' if k == 0 else ' '}#{idx} {g.instrs[idx]}"
-        else:
-            text = ""
-        return (text if len(text) <= width else text[: width - 3] + "...").ljust(width)
-
-    rows = ["step | " + " | ".join(f"group {g.mpmd_idx}".ljust(width) for g in program.groups)]
-    for k in range(1 - depth, 1):
-        rows.append(f"{k:>4} | " + " | ".join(cell(g, k) for g in program.groups))
-    return "\n".join(row.rstrip() for row in rows)
-
-
-def _deadlock(
-    program: Program,
-    matching: Matching,
-    pcs: list[int],
-    tasks: list[str],
-    pending: list[dict[str, float]],
-) -> None:
-    lines, blocked = [], []
-    for g in program.groups:
-        a, pc = g.mpmd_idx, pcs[g.mpmd_idx]
-        if pc == len(g.instrs):
-            continue
-        instr = g.instrs[pc]
-        blocked.append(a)
-        line = f"group {a} blocked at #{pc} {instr}"
-        if tasks[a]:
-            line += f" (task {tasks[a]})"
-        for half, peers in (("send", matching.recv_of), ("recv", matching.send_of)):
-            if half in pending[a] or pc not in peers[a]:
-                continue
-            h, j = peers[a][pc]
-            at = "finished" if pcs[h] == len(program.groups[h].instrs) else f"at #{pcs[h]}"
-            line += f"; waits for group {h} #{j} (group {h} is {at})"
-        lines.append("  " + line)
-    raise ProgramError(
-        "deadlock",
-        f"{len(blocked)} of {program.num_groups} groups blocked\n"
-        + "\n".join(lines)
-        + "\n"
-        + format_grid(program, pcs),
-        blocked,
-        pcs[blocked[0]],
-    )
-
-
 def _play(
     program: Program, latency: Latency, transfer: Transfer, check_leaks: bool, record: bool
 ) -> SimResult:
+    """Times the rendezvous play (`rendezvous.play`) of a statically checked program."""
     matching = _check_static(program, check_leaks)
     n = program.num_groups
     instrs = [g.instrs for g in program.groups]
-    pcs = [0] * n
-    now = [0.0] * n  # per group: the time it reached instrs[pc]
+    now = [0.0] * n  # per group: the time it reached its current instruction
     busy = [0.0] * n
-    tasks = [""] * n  # per group: the task of its latest Run, for error messages
-    pending: list[dict[str, float]] = [{} for _ in range(n)]  # halves done at the current pc
+    halves: list[list[float]] = [[] for _ in range(n)]  # matched halves' times, current pc
     events: list[list[Event]] = [[] for _ in range(n)]
-    work = deque(range(n))
-    while work:
-        a = work.popleft()
-        code = instrs[a]
-        while pcs[a] < len(code):
-            pc, instr = pcs[a], code[pcs[a]]
-            start = now[a]
-            if isinstance(instr, Run):
-                end = start + latency(instr)
-                busy[a] += end - start
-                tasks[a] = instr.task
-            elif isinstance(instr, Free):
-                end = start
-            else:
-                done = pending[a]
-                for half, peers, other in (
-                    ("send", matching.recv_of, "recv"),
-                    ("recv", matching.send_of, "send"),
-                ):
-                    peer = peers[a].get(pc)
-                    if peer is None or half in done:
-                        continue
-                    h, j = peer
-                    if pcs[h] != j:
-                        continue
-                    recv_loc = peer if half == "send" else (a, pc)
-                    aval = recv_half(instrs[recv_loc[0]][recv_loc[1]])[3]
-                    done[half] = pending[h][other] = max(start, now[h]) + transfer(aval)
-                    if len(pending[h]) == (2 if isinstance(instrs[h][j], SendRecv) else 1):
-                        work.append(h)
-                if len(done) < (2 if isinstance(instr, SendRecv) else 1):
-                    break
-                end = max(done.values())
-                pending[a] = {}
-            if record:
-                events[a].append(Event(pc, instr, start, end))
-            now[a] = end
-            pcs[a] = pc + 1
-    if any(pcs[g] < len(instrs[g]) for g in range(n)):
-        _deadlock(program, matching, pcs, tasks, pending)
+    for event in rendezvous.play(program, matching):
+        if isinstance(event, rendezvous.Matched):
+            (s, _), (d, j) = event.send, event.recv
+            t = max(now[s], now[d]) + transfer(recv_half(instrs[d][j])[3])
+            halves[s].append(t)
+            halves[d].append(t)
+            continue
+        a, pc = event.group, event.index
+        instr, start = instrs[a][pc], now[a]
+        if isinstance(instr, Run):
+            end = start + latency(instr)
+            busy[a] += end - start
+        elif isinstance(instr, Free):
+            end = start
+        else:
+            end = max(halves[a])
+            halves[a] = []
+        if record:
+            events[a].append(Event(pc, instr, start, end))
+        now[a] = end
     return SimResult(
         finish=tuple(now),
         makespan=max(now, default=0.0),
@@ -351,10 +265,12 @@ def _play(
 def verify(program: Program, *, check_leaks: bool = True) -> None:
     """Proves that `program` runs to completion under rendezvous send/recv.
 
-    Plays all groups together: Run and Free complete at once; a Send (or a send half)
-    completes only when its destination has reached the matching Recv (or receive half),
-    and the other way round; a SendRecv completes when both halves have. See
-    `Note: program invariants` for the buffer and matching rules checked.
+    Checks peers, tags, buffer lifetimes and message avals statically, then plays all
+    groups together (`rendezvous.play`, see `Note: rendezvous play`): Run and Free
+    complete at once; a Send (or a send half) completes only when its destination has
+    reached the matching Recv (or receive half), and the other way round; a SendRecv
+    completes when both halves have. See `Note: program invariants` for the buffer and
+    matching rules checked.
 
     Args:
       program: the program.

@@ -3,9 +3,10 @@
 Note: abort on exception.
   An MPI job whose rank raises while its peers wait in a receive hangs forever unless
   someone aborts it. In MPI mode jaxpp_mpi installs `sys.excepthook` and
-  `threading.excepthook` wrappers (once, when the first MPI-mode mesh is built; opt out
-  with JAXPP_MPI_ABORT_ON_EXCEPTION=0): the traceback is printed once, every line
-  prefixed with `[rank r]`, then `MPI_Abort` ends every rank with a non-zero status.
+  `threading.excepthook` wrappers (once, when the first MPI-mode mesh hands its
+  communicator to `runtime.mpi.adopt_comm`; opt out with JAXPP_MPI_ABORT_ON_EXCEPTION=0):
+  the traceback is printed once, every line prefixed with `[rank r]`, then `MPI_Abort`
+  ends every rank with a non-zero status.
 
 Note: watchdog.
   A stalled peer (a stuck stage, a lost node that the launcher does not notice) would
@@ -29,7 +30,6 @@ Note: watchdog.
 
 from __future__ import annotations
 
-import re
 import sys
 import threading
 import time
@@ -39,6 +39,7 @@ from collections.abc import Callable
 from typing import Any
 
 from jaxpp_mpi._src.config import Options
+from jaxpp_mpi._src.schedules.tasks import describe_label as describe_task
 
 __all__ = ["Watchdog", "describe_task", "install_abort_on_exception"]
 
@@ -80,22 +81,6 @@ def install_abort_on_exception(rank: int, abort: Callable[[int], None]) -> None:
 
     sys.excepthook = hook
     threading.excepthook = thread_hook
-
-
-_LABEL = re.compile(r"([A-Z]+)(\d+)s(\d+)")
-_KINDS = {"F": "forward", "B": "backward", "I": "backward (input grads)",
-          "W": "backward (weight grads)"}
-
-
-def describe_task(label: str) -> str:
-    """'B3s1' -> 'task B3s1 (backward, microbatch 3, stage 1)'; other labels as is."""
-    parts = []
-    for piece in label.split("+"):
-        m = _LABEL.fullmatch(piece)
-        if m:
-            kind = _KINDS.get(m.group(1), m.group(1))
-            parts.append(f"{kind}, microbatch {m.group(2)}, stage {m.group(3)}")
-    return f"task {label} ({'; '.join(parts)})" if parts else f"task {label}"
 
 
 _POLL_S = 0.25

@@ -2,14 +2,14 @@
 
 Note: local order.
   In local mode all groups share one Python thread, so their programs are interleaved
-  into one global order, computed once in the constructor by a rendezvous play like
-  `simulate.verify`: round-robin over the groups, each advances through Run and Free
-  and stops at a message half until its peer reaches the matching half; a matched
-  message becomes one transfer step, `jax.device_put(x, shardings(dst, aval))`, placed
-  right there (the sender is still at its send, so `x` is live; the receiver is at its
-  receive, so nothing it runs later is out of order). A SendRecv waits for both halves.
-  Each `run` then just walks that flat list. JAX dispatch is asynchronous, so the
-  global order costs no overlap: the devices of different groups still work together.
+  into one global order, computed once in the constructor from the rendezvous play
+  (`rendezvous.play`, see `Note: rendezvous play`): each Run and Free is placed where
+  its group completes it, and each matched message becomes one transfer step,
+  `jax.device_put(x, shardings(dst, aval))`, placed where its halves match (the sender
+  is still at its send, so `x` is live; the receiver is at its receive, so nothing it
+  runs later is out of order). Each `run` then just walks that flat list. JAX dispatch
+  is asynchronous, so the global order costs no overlap: the devices of different
+  groups still work together.
 """
 
 from __future__ import annotations
@@ -23,10 +23,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxpp_mpi._src.ir.program import Aval, Free, Program, Run, SendRecv
-from jaxpp_mpi._src.ir.passes import match_messages, recv_half, send_half
-from jaxpp_mpi._src.ir.simulate import verify
-from jaxpp_mpi._src.timeline.timing import TraceEvent
+from jaxpp_mpi._src.ir import rendezvous
+from jaxpp_mpi._src.ir.passes import recv_half, send_half
+from jaxpp_mpi._src.ir.program import Aval, Free, Program, Run
 from jaxpp_mpi._src.runtime.executor import (
     BufferLayout,
     Executable,
@@ -42,6 +41,7 @@ from jaxpp_mpi._src.runtime.executor import (
     execute,
     wall_ns,
 )
+from jaxpp_mpi._src.timeline.timing import TraceEvent
 
 __all__ = ["LocalExecutor", "Transfer", "local_order"]
 
@@ -61,48 +61,26 @@ def local_order(program: Program) -> list[tuple[int, Run | Free | Transfer]]:
     """Interleaves the groups' programs into one global order (see `Note: local order`).
 
     Args:
-      program: a program that `verify` accepts.
+      program: a verified program (`simulate.verify`).
 
     Returns:
       (group, op) pairs: Run and Free instructions of that group, and `Transfer`s (with
       the receiving group), in an order valid for every group.
+
+    Raises:
+      ProgramError: if a message has no partner or the play deadlocks (a program that
+        `verify` accepts does neither).
     """
-    matching = match_messages(program)
     instrs = [g.instrs for g in program.groups]
-    n = len(instrs)
-    pcs = [0] * n
-    done: list[set[str]] = [set() for _ in range(n)]  # halves matched at the current pc
     order: list[tuple[int, Run | Free | Transfer]] = []
-
-    def transfer(s: int, i: int, d: int, j: int) -> None:
-        buf, _, _ = send_half(instrs[s][i])  # type: ignore[misc]
-        rbuf, _, _, aval = recv_half(instrs[d][j])  # type: ignore[misc]
-        order.append((d, Transfer(s, buf, d, rbuf, aval)))
-        done[s].add("send")
-        done[d].add("recv")
-
-    progress = True
-    while progress:
-        progress = False
-        for a in range(n):
-            while pcs[a] < len(instrs[a]):
-                pc, instr = pcs[a], instrs[a][pcs[a]]
-                if isinstance(instr, (Run, Free)):
-                    order.append((a, instr))
-                else:
-                    peer = matching.recv_of[a].get(pc)
-                    if peer is not None and "send" not in done[a] and pcs[peer[0]] == peer[1]:
-                        transfer(a, pc, *peer)
-                    peer = matching.send_of[a].get(pc)
-                    if peer is not None and "recv" not in done[a] and pcs[peer[0]] == peer[1]:
-                        transfer(*peer, a, pc)
-                    if len(done[a]) < (2 if isinstance(instr, SendRecv) else 1):
-                        break
-                    done[a] = set()
-                pcs[a] = pc + 1
-                progress = True
-    if any(pc < len(code) for pc, code in zip(pcs, instrs)):  # verify() rules this out
-        raise AssertionError(f"local order stuck at {pcs}")
+    for event in rendezvous.play(program):
+        if isinstance(event, rendezvous.Matched):
+            (s, i), (d, j) = event.send, event.recv
+            buf = send_half(instrs[s][i])[0]  # type: ignore[index]
+            rbuf, _, _, aval = recv_half(instrs[d][j])  # type: ignore[misc]
+            order.append((d, Transfer(s, buf, d, rbuf, aval)))
+        elif isinstance(instr := instrs[event.group][event.index], (Run, Free)):
+            order.append((event.group, instr))
     return order
 
 
@@ -139,7 +117,9 @@ class LocalExecutor:
     order`); `run` walks a flat list of closures.
 
     Args:
-      program: the program; it is verified here (`simulate.verify`, leaks allowed).
+      program: a verified program: the compiler's (`build_program` verifies it once);
+        one built by hand must pass `simulate.verify` first. It is not checked again
+        here, beyond what `local_order` needs (matched messages, no deadlock).
       executables: `executables[g][name]` runs Run instructions `name` of group g: it
         takes the Run's input arrays positionally and returns a tuple or list of arrays,
         one per `Run.outs`, typically a `jax.jit` function placed on group g's devices.
@@ -148,7 +128,8 @@ class LocalExecutor:
         `jax.device_put(x, shardings(g, recv.aval))`.
 
     Raises:
-      ProgramError: (a ValueError) if the program does not verify.
+      ProgramError: (a ValueError) if a message has no partner or the program
+        deadlocks.
       ValueError: if `executables` does not have one mapping per group, or lacks an
         executable that a Run names.
     """
@@ -164,7 +145,6 @@ class LocalExecutor:
                 f"got executables for {len(executables)} groups, the program has "
                 f"{program.num_groups}"
             )
-        verify(program, check_leaks=False)
         self.program = program
         groups = program.groups
         self.layout = layout = BufferLayout(groups)
