@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 # public name -> private module under jaxpp_mpi._src
 _EXPORTS = {
-    "MpmdCompiled": "api",
+    "MpmdCompiled": "compiled",
     "MpmdFunction": "api",
     "mpmd_jit_with_loop": "api",
     "MpmdArray": "array",
@@ -67,20 +67,18 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # what static tools see; the same names as _EXPORTS
-    from jaxpp_mpi._src.api import MpmdCompiled as MpmdCompiled
     from jaxpp_mpi._src.api import MpmdFunction as MpmdFunction
     from jaxpp_mpi._src.api import mpmd_jit_with_loop as mpmd_jit_with_loop
     from jaxpp_mpi._src.array import MpmdArray as MpmdArray
     from jaxpp_mpi._src.array import MpmdSharding as MpmdSharding
+    from jaxpp_mpi._src.compiled import MpmdCompiled as MpmdCompiled
     from jaxpp_mpi._src.errors import CompileError as CompileError
     from jaxpp_mpi._src.mesh import MpmdMesh as MpmdMesh
     from jaxpp_mpi._src.mesh import make_mpmd_mesh as make_mpmd_mesh
     from jaxpp_mpi._src.reshard.init import mpmd_init as mpmd_init
-    from jaxpp_mpi._src.runtime.preemption import PreemptionGuard as PreemptionGuard
-    from jaxpp_mpi._src.stage_marks import mark_stage_end as mark_stage_end
-    from jaxpp_mpi._src.stage_marks import pipeline_enter_stage as pipeline_enter_stage
     from jaxpp_mpi._src.reshard.reshard import mpmd_to_spmd_reshard as mpmd_to_spmd_reshard
     from jaxpp_mpi._src.reshard.reshard import spmd_to_mpmd_reshard as spmd_to_mpmd_reshard
+    from jaxpp_mpi._src.runtime.preemption import PreemptionGuard as PreemptionGuard
     from jaxpp_mpi._src.schedules.check import ScheduleError as ScheduleError
     from jaxpp_mpi._src.schedules.custom import CustomSchedule as CustomSchedule
     from jaxpp_mpi._src.schedules.library import BaseSchedule as BaseSchedule
@@ -91,6 +89,8 @@ if TYPE_CHECKING:  # what static tools see; the same names as _EXPORTS
     from jaxpp_mpi._src.schedules.library import KimiK2 as KimiK2
     from jaxpp_mpi._src.schedules.library import Std1F1B as Std1F1B
     from jaxpp_mpi._src.schedules.library import ZeroBubble as ZeroBubble
+    from jaxpp_mpi._src.stage_marks import mark_stage_end as mark_stage_end
+    from jaxpp_mpi._src.stage_marks import pipeline_enter_stage as pipeline_enter_stage
     from jaxpp_mpi._src.timeline.timing import collect_task_times_ms as collect_task_times_ms
     from jaxpp_mpi._src.treduce import Add as Add
     from jaxpp_mpi._src.treduce import Concat as Concat

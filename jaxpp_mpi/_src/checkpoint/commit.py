@@ -20,84 +20,76 @@ Note: Atomic commit.
 from __future__ import annotations
 
 import glob
-import hashlib
 import os
 import secrets
 import shutil
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
+from jaxpp_mpi._src import agree
 from jaxpp_mpi._src.checkpoint import format as fmt
 from jaxpp_mpi._src.checkpoint.format import CheckpointError, Manifest
+from jaxpp_mpi._src.types import Comm
 
 __all__ = ["Ranks", "commit_checkpoint"]
 
 Producer = Callable[[], np.ndarray]
+T = TypeVar("T")
+
+
+def _rank_failed(failed: list[int], messages: Sequence[str | None]) -> CheckpointError:
+    return CheckpointError(f"rank {failed[0]} failed: {messages[failed[0]]}")
 
 
 class Ranks:
     """The processes taking part in a checkpoint operation: the ranks of an MPI
-    communicator, or this process alone (`comm=None`). Only mpi4py's object
-    collectives of a communicator handed in are used; nothing here imports MPI."""
+    communicator, or this process alone (`comm=None`).
 
-    def __init__(self, comm: Any = None):
+    Each method is the checkpoint's use of `jaxpp_mpi._src.agree` (Note: raise on every
+    rank): a failing rank raises its own error, the others a `CheckpointError` naming
+    the first failing rank. Only mpi4py's object collectives of a communicator handed
+    in are used; nothing here imports MPI.
+    """
+
+    def __init__(self, comm: Comm = None):
         self.comm = comm
         self.rank = 0 if comm is None else int(comm.Get_rank())
         self.size = 1 if comm is None else int(comm.Get_size())
 
     def bcast(self, obj: Any) -> Any:
         """`obj` of rank 0, on every rank."""
-        return obj if self.comm is None else self.comm.bcast(obj, root=0)
+        return agree.bcast(obj, self.comm)
 
     def allgather(self, obj: Any) -> list[Any]:
-        return [obj] if self.comm is None else self.comm.allgather(obj)
+        """Every rank's `obj`, in rank order."""
+        return agree.allgather(obj, self.comm)
 
     def barrier(self) -> None:
+        """Waits until every rank has reached this point."""
         if self.comm is not None:
             self.comm.Barrier()
 
-    def raise_if_any(self, error: BaseException | None) -> None:
-        """Raises on every rank when `error` is set on any: the rank's own error where it
-        has one, else a CheckpointError naming the first failing rank."""
-        if self.comm is None:
-            if error is not None:
-                raise error
-            return
-        self.raise_gathered(self.allgather(_message(error)), error)
+    def allgather_or_raise(self, value: Any, error: BaseException | None) -> list[Any]:
+        """Every rank's `value`, after raising on every rank if any rank's `error` is
+        set (one allgather for both)."""
+        return agree.allgather_or_raise(value, error, self.comm, _rank_failed)
 
     @staticmethod
     def raise_gathered(messages: Sequence[str | None], error: BaseException | None) -> None:
-        """`raise_if_any` for error messages already allgathered (`_message` of each)."""
-        if error is not None:
-            raise error
-        failed = [(r, m) for r, m in enumerate(messages) if m is not None]
-        if failed:
-            r, m = failed[0]
-            raise CheckpointError(f"rank {r} failed: {m}")
+        """Raises on every rank if any of `messages` (gathered or broadcast `describe`s
+        of the ranks' errors) is set; `error` is this rank's own."""
+        agree.raise_gathered(messages, error, _rank_failed)
 
-    def run(self, fn: Callable[[], Any]) -> Any:
+    def run(self, fn: Callable[[], T]) -> T:
         """`fn()` on every rank; if it raises on any rank, every rank raises."""
-        if self.comm is None:
-            return fn()
-        try:
-            result, error = fn(), None
-        except Exception as e:  # noqa: BLE001 - re-raised on this rank just below
-            result, error = None, e
-        self.raise_if_any(error)
-        return result
+        return agree.run(fn, self.comm, _rank_failed)
 
     def check_same(self, text: str, what: str) -> None:
         """Raises on every rank unless `text` is the same on every rank."""
-        digests = self.allgather(hashlib.sha256(text.encode()).hexdigest())
-        differ = [r for r, d in enumerate(digests) if d != digests[0]]
-        if differ:
-            raise CheckpointError(f"ranks {differ} passed a different {what} than rank 0")
-
-
-def _message(error: BaseException | None) -> str | None:
-    return None if error is None else f"{type(error).__name__}: {error}"
+        agree.check_same(text, self.comm, lambda differ: CheckpointError(
+            f"ranks {differ} passed a different {what} than rank 0"))
 
 
 def _fsync_dir(path: str) -> None:
@@ -199,7 +191,7 @@ def commit_checkpoint(
             tmp = _prepare(target, overwrite)
         except Exception as e:  # noqa: BLE001 - sent to every rank, raised there
             error = e
-    tmp, message = ranks.bcast((tmp, _message(error)))
+    tmp, message = ranks.bcast((tmp, agree.describe(error)))
     ranks.raise_gathered([message], error)
     try:
         arrays = total = 0
@@ -212,10 +204,9 @@ def commit_checkpoint(
                     wrote = _write_leaf(tmp, manifest.leaves[i], produce)
                 except Exception as e:  # noqa: BLE001 - raised on every rank below
                     error = e
-            results = ranks.allgather((wrote, _message(error)))
-            ranks.raise_gathered([m for _, m in results], error)
-            arrays += sum(1 for w, _ in results if w is not None)
-            total += sum(w for w, _ in results if w is not None)
+            written = [w for w in ranks.allgather_or_raise(wrote, error) if w is not None]
+            arrays += len(written)
+            total += sum(written)
             if progress is not None:
                 progress(arrays, total)
         error = None
@@ -224,7 +215,7 @@ def commit_checkpoint(
                 _finish(tmp, target, manifest)
             except Exception as e:  # noqa: BLE001 - sent to every rank, raised there
                 error = e
-        ranks.raise_gathered([ranks.bcast(_message(error))], error)
+        ranks.raise_gathered([ranks.bcast(agree.describe(error))], error)
         return arrays, total
     except Exception:
         if ranks.rank == 0:

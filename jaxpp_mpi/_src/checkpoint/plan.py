@@ -11,15 +11,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from jaxpp_mpi._src.checkpoint import format as fmt
 from jaxpp_mpi._src.array import MpmdArray, MpmdSharding
+from jaxpp_mpi._src.checkpoint import format as fmt
 from jaxpp_mpi._src.mesh import MpmdMesh
+from jaxpp_mpi._src.types import PyTree, Spec
 
 __all__ = ["Plan", "PlanEntry", "plan_from_shardings"]
 
@@ -128,7 +128,7 @@ class Plan:
             out += [f"{name}: {p}" for p in _spec_problems(entry.spec, leaf.shape, sizes)]
         return out
 
-    def shardings_like(self, like: Any, mpmd_mesh: MpmdMesh) -> Any:
+    def shardings_like(self, like: PyTree, mpmd_mesh: MpmdMesh) -> PyTree:
         """A pytree like `like` holding, per leaf, the plan's `MpmdSharding` on
         `mpmd_mesh` (None for leaves the plan does not place).
 
@@ -149,7 +149,7 @@ class Plan:
         return jax.tree.unflatten(treedef, out)
 
 
-def _spec_problems(spec: tuple, shape: tuple[int, ...], sizes: dict[str, int]) -> list[str]:
+def _spec_problems(spec: Spec, shape: tuple[int, ...], sizes: dict[str, int]) -> list[str]:
     if len(spec) > len(shape):
         return [f"spec has {len(spec)} entries for {len(shape)} dimensions"]
     out, used = [], []
@@ -168,7 +168,7 @@ def _spec_problems(spec: tuple, shape: tuple[int, ...], sizes: dict[str, int]) -
     return out
 
 
-def plan_from_shardings(shardings: Any, like: Any = None) -> Plan:
+def plan_from_shardings(shardings: PyTree, like: PyTree = None) -> Plan:
     """The plan of a pytree of `MpmdSharding`s (None leaves are skipped).
 
     Args:

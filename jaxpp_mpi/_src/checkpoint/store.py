@@ -15,12 +15,13 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxpp_mpi._src.checkpoint import format as fmt
 from jaxpp_mpi._src.array import MpmdArray, MpmdSharding
+from jaxpp_mpi._src.checkpoint import format as fmt
 from jaxpp_mpi._src.checkpoint.commit import Producer, Ranks, commit_checkpoint
 from jaxpp_mpi._src.checkpoint.format import CheckpointError, Manifest
-from jaxpp_mpi._src.mesh import MpmdMesh, _mpi_world_size
 from jaxpp_mpi._src.checkpoint.plan import Plan, plan_from_shardings
+from jaxpp_mpi._src.mesh import MpmdMesh, _mpi_world_size
+from jaxpp_mpi._src.types import PyTree
 
 __all__ = ["load_plan", "load_whole", "read_manifest", "restore", "save", "save_plan"]
 
@@ -69,7 +70,7 @@ def _abstract(x: Any) -> tuple[tuple[int, ...], np.dtype]:
 
 def save(
     path: str,
-    tree: Any,
+    tree: PyTree,
     step: int | None = None,
     *,
     mesh: MpmdMesh | None = None,
@@ -179,11 +180,11 @@ def _plain_like(value: np.ndarray, like: Any) -> Any:
 
 def restore(
     path: str,
-    like: Any,
+    like: PyTree,
     *,
-    shardings: Any = None,
+    shardings: PyTree = None,
     mesh: MpmdMesh | None = None,
-) -> Any:
+) -> PyTree:
     """Restores a checkpoint into a pytree placed like `like`.
 
     The manifest is checked against `like` (key paths, shapes, dtypes) before any array
@@ -262,7 +263,7 @@ def _nest(items: list[tuple[fmt.KeyPath, Any]]) -> Any:
     return children
 
 
-def load_whole(path: str, like: Any = None) -> Any:
+def load_whole(path: str, like: PyTree = None) -> PyTree:
     """Every leaf of a checkpoint as numpy arrays, in one process, no MPI and no mesh.
 
     Works on whole-model and per-stage checkpoints alike (placement is ignored).
@@ -294,7 +295,7 @@ def load_whole(path: str, like: Any = None) -> Any:
 # -- plans --------------------------------------------------------------------------
 
 
-def save_plan(path: str, shardings: Any, like: Any = None) -> Plan:
+def save_plan(path: str, shardings: PyTree, like: PyTree = None) -> Plan:
     """Writes a placement plan (e.g. `compile(...).in_shardings`, or the sub-tree matching
     a checkpoint's tree) as JSON, for the reshard utility and `load_plan`.
 

@@ -19,12 +19,13 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
-from jaxpp_mpi._src.checkpoint import store as ck
+from jaxpp_mpi._src import agree
 from jaxpp_mpi._src.checkpoint import format as fmt
+from jaxpp_mpi._src.checkpoint import store as ck
 from jaxpp_mpi._src.checkpoint.commit import Ranks, commit_checkpoint
 from jaxpp_mpi._src.checkpoint.format import CheckpointError, Manifest
-from jaxpp_mpi._src.mesh import _mpi_world_size
 from jaxpp_mpi._src.checkpoint.plan import Plan
+from jaxpp_mpi._src.mesh import _mpi_world_size
 
 __all__ = ["convert", "destination_manifest", "main"]
 
@@ -163,9 +164,7 @@ def convert(
 def _job_ranks() -> Ranks:
     if _mpi_world_size() <= 1:
         return Ranks(None)
-    from jaxpp_mpi._src.mpi import collectives  # the MPI layer (imports mpi4py)
-
-    return Ranks(collectives.world_dup())
+    return Ranks(agree.collectives().world_dup())
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

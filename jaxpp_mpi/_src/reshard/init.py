@@ -13,6 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpp_mpi._src.array import MpmdArray, MpmdSharding
 from jaxpp_mpi._src.mesh import MpmdMesh
+from jaxpp_mpi._src.types import PyTree
 
 __all__ = ["group_init_jaxprs", "mpmd_init"]
 
@@ -73,7 +74,7 @@ def _group_jaxprs(closed, targets, mesh: MpmdMesh):
     return out
 
 
-def mpmd_init(init_fn: Callable, mpmd_shardings: Any, *args: Any) -> Any:
+def mpmd_init(init_fn: Callable, mpmd_shardings: PyTree, *args: Any) -> PyTree:
     """Runs `init_fn(*args)` so that each group computes only the results it owns.
 
     Every process traces `init_fn` once, then, for each group it holds, removes from

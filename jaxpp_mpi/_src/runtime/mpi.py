@@ -33,13 +33,11 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, SingleDeviceSharding
 
-from jaxpp_mpi._src import config
+from jaxpp_mpi._src import agree, config
 from jaxpp_mpi._src.config import Options
 from jaxpp_mpi._src.ir.program import Aval, Free, GroupProgram, Program, Recv, Run, Send, SendRecv
-from jaxpp_mpi._src.ir.simulate import verify
-from jaxpp_mpi._src.timeline.timing import active_task_times
-from jaxpp_mpi._src.mpi import chains
-from jaxpp_mpi._src.mpi import collectives
+from jaxpp_mpi._src.mpi import chains, collectives
+from jaxpp_mpi._src.mpi.heap import tune_heap
 from jaxpp_mpi._src.runtime.executor import (
     BufferLayout,
     Executable,
@@ -55,10 +53,10 @@ from jaxpp_mpi._src.runtime.executor import (
     execute,
     timed_message,
 )
-from jaxpp_mpi._src.runtime.failure import Watchdog, describe_task
-from jaxpp_mpi._src.mpi.heap import tune_heap
+from jaxpp_mpi._src.runtime.failure import Watchdog, describe_task, install_abort_on_exception
+from jaxpp_mpi._src.timeline.timing import active_task_times
 
-__all__ = ["MpiExecutor", "ShardPlan"]
+__all__ = ["MpiExecutor", "ShardPlan", "adopt_comm"]
 
 
 class ShardPlan:
@@ -166,14 +164,14 @@ class MpiExecutor:
     """Runs this rank's group of a Program; messages go over MPI (see `Note: messages`).
 
     Args:
-      program: the whole program (every rank holds the same one); verified here.
+      program: the whole program (every rank holds the same one), verified by the
+        compiler (`build_program`); a hand-built one must pass `simulate.verify` first.
       mpmd_idx: this rank's group (== its rank in `comm`).
       executables: group `mpmd_idx`'s executables by name (as for the local executor).
       sharding: `sharding(aval)` is the sharding of a value of this group.
       comm: the communicator (rank r runs group r).
 
     Raises:
-      ProgramError: if the program does not verify.
       ValueError: if a wire tag would exceed the communicator's MPI_TAG_UB.
     """
 
@@ -186,7 +184,6 @@ class MpiExecutor:
         comm: Any,
         options: Options | None = None,
     ):
-        verify(program, check_leaks=False)
         options = options or config.options()
         if options.heap_tuning:
             tune_heap()
@@ -391,33 +388,31 @@ def describe_instr(gp: GroupProgram, k: int) -> str:
     return f"{what} of {describe_task(task)}" if task else what
 
 
+def adopt_comm(comm: Any) -> None:
+    """Sets the job up to run over `comm`, the communicator of a newly built MPI-mode mesh.
+
+    In a job of several ranks, installs the hooks of `Note: abort on exception`
+    (runtime/failure.py) unless JAXPP_MPI_ABORT_ON_EXCEPTION=0. It runs when the mesh
+    is built, before anything is traced, so an exception on one rank from there on ends
+    the job instead of leaving the others waiting in their next collective.
+
+    Args:
+      comm: the mesh's communicator (a stand-in without `Abort`, as in tests, is left
+        alone).
+    """
+    abort = getattr(comm, "Abort", None)
+    if config.options().abort_on_exception and abort and comm.Get_size() > 1:
+        install_abort_on_exception(int(comm.Get_rank()), abort)
+
+
 def agree_on_program(program: Program, comm: Any) -> None:
     """Allgathers the program hash (the barrier before the first message).
+
+    The logic lives in `jaxpp_mpi._src.agree.agree_on_program` (Note: raise on every
+    rank), with the other collective decisions.
 
     Raises:
       ValueError: on every rank, when the ranks built different programs, naming the
         ranks that differ from rank 0 and the first differing line of each.
     """
-    mine = program.hash()
-    hashes = comm.allgather(mine)
-    if len(set(hashes)) == 1:
-        return
-    texts = comm.allgather(str(program))
-    lines0 = texts[0].splitlines()
-    details = []
-    for r, (h, text) in enumerate(zip(hashes, texts)):
-        if h == hashes[0]:
-            continue
-        lines = text.splitlines()
-        k = next((i for i, (a, b) in enumerate(zip(lines0, lines)) if a != b),
-                 min(len(lines0), len(lines)))
-        a = lines0[k] if k < len(lines0) else "<end>"
-        b = lines[k] if k < len(lines) else "<end>"
-        details.append(f"  rank {r} (hash {h[:12]}) differs from rank 0 (hash "
-                       f"{hashes[0][:12]}) at program line {k + 1}:\n"
-                       f"    rank 0:  {a.strip()}\n    rank {r}:  {b.strip()}")
-    raise ValueError(
-        "the ranks compiled different programs for this step, so their messages would not "
-        "match; every rank must call the step with the same shapes, dtypes, shardings and "
-        "schedule:\n" + "\n".join(details)
-    )
+    agree.agree_on_program(program, comm)

@@ -1,0 +1,232 @@
+"""Raising on every rank: the collective decisions that keep MPI ranks in step.
+
+Note: raise on every rank.
+  In MPI mode an error that only some ranks see would leave the others waiting for
+  messages that never come. So every decision that may fail is taken collectively: each
+  rank reports its own outcome (an error's one-line description, a digest, a hash) with
+  one object allgather (or rank 0 decides and broadcasts), and every rank raises when
+  any rank failed or the ranks disagree. `comm=None` means this process alone (local
+  mode, a single-process job): nothing is communicated and a rank's own error is
+  raised as it is.
+
+  Whose error a failing rank raises is the caller's choice (`own`):
+  - "always": a rank raises its own error; the others raise the caller's error naming
+    the failed ranks (checkpoints);
+  - "if_all": a rank raises its own error only when every rank failed, else every rank
+    raises the caller's error, chained from its own (compilation);
+  - "never": every rank raises the caller's error, the same text everywhere (reshard).
+
+Only mpi4py's object collectives of a communicator handed in are used here; nothing
+here imports MPI. Modules outside `mpi/` that need the MPI layer itself reach it through
+`collectives()`, imported on first use: mpi4py initialises MPI on import, and local
+mode must not need it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Sequence
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
+
+from jaxpp_mpi._src.types import Comm
+
+if TYPE_CHECKING:
+    from jaxpp_mpi._src.ir.program import Program
+
+__all__ = [
+    "Failure",
+    "Own",
+    "agree_on_program",
+    "allgather",
+    "allgather_or_raise",
+    "bcast",
+    "check_same",
+    "collectives",
+    "describe",
+    "differing_ranks",
+    "raise_gathered",
+    "raise_if_any",
+    "run",
+]
+
+T = TypeVar("T")
+
+Own = Literal["always", "if_all", "never"]
+"""Whose error a failing rank raises (see Note: raise on every rank)."""
+
+Failure = Callable[[list[int], Sequence[str | None]], Exception]
+"""(failed ranks, every rank's message) -> the error the ranks raise."""
+
+
+def collectives() -> ModuleType:
+    """The MPI layer's collectives module, imported on first use (it imports mpi4py).
+
+    Returns:
+      `jaxpp_mpi._src.mpi.collectives`.
+    """
+    from jaxpp_mpi._src.mpi import collectives as module
+
+    return module
+
+
+def describe(error: BaseException | None) -> str | None:
+    """One line naming `error`'s type and text, as ranks exchange it; None for None."""
+    return None if error is None else f"{type(error).__name__}: {error}"
+
+
+def allgather(obj: Any, comm: Comm) -> list[Any]:
+    """Every rank's `obj`, element `r` from rank `r` (`[obj]` when `comm` is None).
+
+    Args:
+      obj: a small picklable value (metadata, never array data).
+      comm: the communicator, or None for this process alone.
+
+    Returns:
+      The list of every rank's `obj`, in rank order.
+    """
+    return [obj] if comm is None else comm.allgather(obj)
+
+
+def bcast(obj: Any, comm: Comm, root: int = 0) -> Any:
+    """`obj` of rank `root`, on every rank (`obj` itself when `comm` is None)."""
+    return obj if comm is None else comm.bcast(obj, root=root)
+
+
+def differing_ranks(values: Sequence[Any]) -> list[int]:
+    """The ranks whose value differs from rank 0's."""
+    return [r for r, v in enumerate(values) if v != values[0]]
+
+
+def raise_gathered(messages: Sequence[str | None], error: BaseException | None,
+                   failure: Failure, *, own: Own = "always") -> None:
+    """Raises on every rank if any rank's message is set (Note: raise on every rank).
+
+    Args:
+      messages: every rank's message (None where the rank did not fail), already
+        gathered or broadcast.
+      error: this rank's own error (None if it had none).
+      failure: builds the error to raise from (failed ranks, `messages`).
+      own: whose error a failing rank raises.
+
+    Raises:
+      `error` or `failure(...)` (chained from `error`), when any message is set.
+    """
+    failed = [r for r, m in enumerate(messages) if m is not None]
+    if not failed and error is None:
+        return
+    if error is not None and (own == "always"
+                              or (own == "if_all" and len(failed) == len(messages))):
+        raise error
+    raise failure(failed, messages) from error
+
+
+def allgather_or_raise(value: Any, error: BaseException | None, comm: Comm,
+                       failure: Failure, *, own: Own = "always",
+                       message: Callable[[BaseException | None], str | None] = describe
+                       ) -> list[Any]:
+    """Allgathers (this rank's error, `value`); raises on every rank if any rank failed.
+
+    One allgather carries both a rank's outcome and what the ranks compare next (a
+    digest, a byte count), so a failure costs no extra round.
+
+    Args:
+      value: a small picklable value to gather (ignored where some rank failed).
+      error: this rank's error, or None.
+      comm: the communicator, or None for this process alone (then `error` is raised
+        as it is, if set).
+      failure: as for `raise_gathered`.
+      own: as for `raise_gathered`.
+      message: what a rank tells the others of its error (`describe` by default).
+
+    Returns:
+      Every rank's `value`, in rank order, when no rank failed.
+
+    Raises:
+      `error` or `failure(...)`, on every rank, when any rank has an error.
+    """
+    if comm is None:
+        if error is not None:
+            raise error
+        return [value]
+    reports = allgather((message(error), value), comm)
+    raise_gathered([m for m, _ in reports], error, failure, own=own)
+    return [v for _, v in reports]
+
+
+def raise_if_any(error: BaseException | None, comm: Comm, failure: Failure, *,
+                 own: Own = "always",
+                 message: Callable[[BaseException | None], str | None] = describe) -> None:
+    """Raises on every rank if any rank has an error (`allgather_or_raise` of nothing).
+
+    Raises:
+      `error` or `failure(...)`, on every rank, when any rank has an error.
+    """
+    allgather_or_raise(None, error, comm, failure, own=own, message=message)
+
+
+def run(fn: Callable[[], T], comm: Comm, failure: Failure, *, own: Own = "always") -> T:
+    """`fn()` on every rank; if it raises on any rank, every rank raises.
+
+    Args:
+      fn: the work; any `Exception` it raises is caught and reported to every rank.
+      comm: the communicator, or None for this process alone (then `fn` simply runs).
+      failure: as for `raise_gathered`.
+      own: as for `raise_gathered`.
+
+    Returns:
+      `fn()`'s result, when no rank failed.
+    """
+    if comm is None:
+        return fn()
+    try:
+        result, error = fn(), None
+    except Exception as e:  # noqa: BLE001 - raised on every rank just below
+        result, error = None, e
+    raise_if_any(error, comm, failure, own=own)
+    return result
+
+
+def check_same(text: str, comm: Comm, failure: Callable[[list[int]], Exception]) -> None:
+    """Raises `failure(ranks differing from rank 0)` on every rank unless `text` is the
+    same on every rank (one allgather of its sha256 digest)."""
+    digest = hashlib.sha256(text.encode()).hexdigest()
+    differ = differing_ranks(allgather(digest, comm))
+    if differ:
+        raise failure(differ)
+
+
+def agree_on_program(program: Program, comm: Comm) -> None:
+    """Allgathers the program hash (in MPI mode, the barrier before the first message).
+
+    Args:
+      program: this rank's whole program.
+      comm: the communicator, or None for this process alone (nothing to agree on).
+
+    Raises:
+      ValueError: on every rank, when the ranks built different programs, naming the
+        ranks that differ from rank 0 and the first differing line of each.
+    """
+    if comm is None:
+        return
+    hashes = allgather(program.hash(), comm)
+    differ = differing_ranks(hashes)
+    if not differ:
+        return
+    texts = allgather(str(program), comm)
+    lines0 = texts[0].splitlines()
+    details = []
+    for r in differ:
+        lines = texts[r].splitlines()
+        k = next((i for i, (a, b) in enumerate(zip(lines0, lines)) if a != b),
+                 min(len(lines0), len(lines)))
+        a = lines0[k] if k < len(lines0) else "<end>"
+        b = lines[k] if k < len(lines) else "<end>"
+        details.append(f"  rank {r} (hash {hashes[r][:12]}) differs from rank 0 (hash "
+                       f"{hashes[0][:12]}) at program line {k + 1}:\n"
+                       f"    rank 0:  {a.strip()}\n    rank {r}:  {b.strip()}")
+    raise ValueError(
+        "the ranks compiled different programs for this step, so their messages would not "
+        "match; every rank must call the step with the same shapes, dtypes, shardings and "
+        "schedule:\n" + "\n".join(details)
+    )

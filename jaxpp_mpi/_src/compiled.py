@@ -1,0 +1,254 @@
+"""`MpmdCompiled`: a step compiled for one signature: its executables, executor and call.
+
+Note: calling a compiled step.
+  `MpmdFunction.__call__` looks up (or builds) the `MpmdCompiled` for the arguments'
+  signature — pytree structure, and per leaf shape, dtype, weak type and, for an
+  `MpmdArray`, its spec — so a training loop compiles once. The compiled step takes
+  each flat argument to the group that owns it (an `MpmdArray` already there is used
+  as it is, with no copy), adds the constants and the microbatch indexes (placed once,
+  at compile time), runs the executor and wraps every result as an `MpmdArray` on the
+  groups that hold it. Results feed the next step with no transfer: each updated
+  parameter is produced on the group that owns the parameter.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from jaxpp_mpi._src.arguments import paths
+from jaxpp_mpi._src.array import MpmdArray, MpmdSharding, mpmd_array_from_local
+from jaxpp_mpi._src.compiler.build import StepPlan
+from jaxpp_mpi._src.ir.program import Aval, GroupProgram, Program
+from jaxpp_mpi._src.mesh import MpmdMesh
+from jaxpp_mpi._src.types import PyTree
+
+if TYPE_CHECKING:
+    from jaxpp_mpi._src.compiler.loop_tasks import Exe
+    from jaxpp_mpi._src.runtime.local import LocalExecutor
+    from jaxpp_mpi._src.runtime.mpi import MpiExecutor  # imports mpi4py: only when used
+
+__all__ = ["MpmdCompiled", "compile_exe"]
+
+# Progress of compilation, at INFO on rank 0 (local mode: the one process); quiet unless
+# the application enables it, e.g. logging.basicConfig(level=logging.INFO).
+logger = logging.getLogger("jaxpp_mpi")
+_REPORT_EVERY_S = 5.0
+
+
+def compile_exe(exe: Exe, in_avals: Sequence[Aval], out_avals: Sequence[Aval],
+                sharding: Callable[[Aval], jax.sharding.Sharding]) -> jax.stages.Compiled:
+    """AOT-compiles one executable for one group, every buffer laid out as its Aval says.
+
+    Args:
+      exe: the executable.
+      in_avals: its input avals; out_avals: its output avals.
+      sharding: Aval -> the sharding of such a value on the group.
+
+    Returns:
+      A `jax.stages.Compiled`: called with the input arrays, it returns the outputs.
+    """
+    in_sh = tuple(sharding(a) for a in in_avals)
+    out_sh = tuple(sharding(a) for a in out_avals)
+    structs = [jax.ShapeDtypeStruct(a.shape, np.dtype(a.dtype), sharding=s)
+               for a, s in zip(in_avals, in_sh)]
+    jitted = jax.jit(exe.fn, in_shardings=in_sh, out_shardings=out_sh,
+                     donate_argnums=exe.donate_argnums)
+    return jitted.lower(*structs).compile()
+
+
+class MpmdCompiled:
+    """A step compiled for one argument signature (see `Note: calling a compiled step`).
+
+    Attributes:
+      in_shardings: a pytree like the arguments: per leaf, the `MpmdSharding` of the
+        group that owns it (None for an argument the step does not read).
+      out_shardings: a pytree like the result: per leaf, where it lives.
+      plan: the `StepPlan` (program, executables' specs, input and output layout).
+    """
+
+    def __init__(self, plan: StepPlan, mesh: MpmdMesh, in_tree: jax.tree_util.PyTreeDef):
+        self.plan = plan
+        self.mesh = mesh
+        self._in_tree = in_tree
+        self._shardings: dict[tuple[int, Aval], NamedSharding] = {}
+        self._auto_meshes: dict[int, Mesh] = {}
+        n_consts = len(plan.consts)
+        in_sh = []
+        for k in range(n_consts, n_consts + plan.num_args):
+            owner = plan.input_owner[k]
+            spec = PartitionSpec(*plan.input_avals[k].spec)
+            in_sh.append(None if owner is None else MpmdSharding(mesh, (owner,), spec))
+        self.in_shardings = jax.tree.unflatten(in_tree, in_sh)
+        holders = self._output_holders()
+        out_sh = [MpmdSharding(mesh, groups, PartitionSpec(*aval.spec))
+                  for groups, aval in zip(holders, plan.output_avals)]
+        self.out_shardings = jax.tree.unflatten(plan.out_tree, out_sh)
+        self._out_sh = out_sh
+        self._local_holders = [sh.local_mesh_ids for sh in out_sh]
+        self._executor = self._make_executor()
+        self._fixed = self._fixed_inputs()
+
+    # -- inspection ---------------------------------------------------------------
+
+    def program(self, group: int | None = None) -> Program | GroupProgram:
+        """The whole program, or group `group`'s part; `print` it to read it."""
+        return self.plan.program if group is None else self.plan.program.group(group)
+
+    def _output_holders(self) -> list[tuple[int, ...]]:
+        """Per output, the groups that hold it (group 0 for a literal)."""
+        holders: list[set[int]] = [set() for _ in self.plan.outputs]
+        for g in self.plan.program.groups:
+            for _, k in g.outputs:
+                holders[k].add(g.mpmd_idx)
+        return [tuple(sorted(h)) if h else (0,) for h in holders]
+
+    # -- running ------------------------------------------------------------------
+
+    def sharding(self, group: int, aval: Aval) -> NamedSharding:
+        """The sharding of a value with `aval` on group `group`."""
+        key = (group, aval)
+        sh = self._shardings.get(key)
+        if sh is None:
+            sh = NamedSharding(self._auto_mesh(group), PartitionSpec(*aval.spec))
+            self._shardings[key] = sh
+        return sh
+
+    def _auto_mesh(self, group: int) -> Mesh:
+        """Group `group`'s mesh with every axis `Auto`: stage executables are compiled
+        without sharding-in-types, whatever axis types the user's mesh has."""
+        mesh = self._auto_meshes.get(group)
+        if mesh is None:
+            gm = self.mesh.group_mesh(group)
+            mesh = Mesh(gm.devices, gm.axis_names,
+                        axis_types=(AxisType.Auto,) * len(gm.axis_names))
+            self._auto_meshes[group] = mesh
+        return mesh
+
+    def _compile_group(self, g: int, report: bool) -> dict[str, jax.stages.Compiled]:
+        """Compiles group `g`'s executables; logs progress when `report`."""
+        plan = self.plan
+        exes = plan.exes[g]
+        total = sum(len(e) for e in plan.exes)
+        if report:
+            logger.info("compiling %d executables for group %d (%d across %d groups)",
+                        len(exes), g, total, plan.num_groups)
+        start = last = time.perf_counter()
+        mine = {}
+        for k, (name, exe) in enumerate(exes.items(), 1):
+            ins, outs = plan.exe_avals[g][name]
+            mine[name] = compile_exe(exe, ins, outs, functools.partial(self.sharding, g))
+            now = time.perf_counter()
+            if report and k < len(exes) and now - last >= _REPORT_EVERY_S:
+                logger.info("group %d: %d/%d compiled, %.1f s", g, k, len(exes), now - start)
+                last = now
+        if report:
+            logger.info("group %d: %d/%d executables compiled in %.1f s", g, len(exes),
+                        len(exes), time.perf_counter() - start)
+        return mine
+
+    def _make_executor(self) -> LocalExecutor | MpiExecutor:
+        """Compiles the executables of this process's groups; returns the executor that
+        runs them (no message yet: `MpmdFunction.compile` agrees with the other ranks
+        first)."""
+        plan, mesh = self.plan, self.mesh
+        report = mesh.is_local or mesh.my_mpmd_axis_index == 0
+        executables = [self._compile_group(g, report) if g in mesh.local_groups else {}
+                       for g in range(plan.num_groups)]
+        if mesh.is_local:
+            from jaxpp_mpi._src.runtime.local import LocalExecutor
+
+            return LocalExecutor(plan.program, executables, self.sharding)
+        from jaxpp_mpi._src.runtime.mpi import MpiExecutor
+
+        g = mesh.my_mpmd_axis_index
+        # No message yet: `MpmdFunction.compile` agrees with the other ranks first.
+        return MpiExecutor(plan.program, g, executables[g],
+                           functools.partial(self.sharding, g), mesh.comm)
+
+    def _fixed_inputs(self) -> list[Any]:
+        """Constants and microbatch indexes, placed once on the groups that use them."""
+        plan = self.plan
+        fixed: list[Any] = [None] * len(plan.input_avals)
+        local = self.mesh.local_groups
+        for k, c in enumerate(plan.consts):
+            owner = plan.input_owner[k]
+            if owner in local:
+                fixed[k] = jax.device_put(c, self.sharding(owner, plan.input_avals[k]))
+        for k, g, m in plan.mb_inputs:
+            if g in local:
+                fixed[k] = jax.device_put(np.int32(m), self.sharding(g, plan.input_avals[k]))
+        return fixed
+
+    def _arg_for_owner(self, x: Any, k: int) -> Any:
+        """Flat input `k` as its owner group reads it (None where no local group does)."""
+        owner = self.plan.input_owner[k]
+        if owner is None or owner not in self.mesh.local_groups:
+            return None
+        if isinstance(x, MpmdArray):
+            local = x.local_arrays
+            if owner in local:
+                return local[owner]
+            return next(iter(local.values()))  # local mode: another group's replica
+        return x
+
+    def _check_args(self, leaves: list, args: tuple) -> None:
+        """Raises, on every rank alike, for an MpmdArray held away from its owner group.
+
+        In local mode the executor copies such an array; in MPI mode only its holders
+        have the data, so the step cannot start.
+        """
+        if self.mesh.is_local:
+            return
+        n_consts = len(self.plan.consts)
+        for j, x in enumerate(leaves):
+            owner = self.plan.input_owner[n_consts + j]
+            if isinstance(x, MpmdArray) and owner is not None and owner not in x.mpmd_idxs:
+                raise ValueError(
+                    f"argument {paths(args)[j]} is an MpmdArray held by groups "
+                    f"{sorted(x.mpmd_idxs)}, "
+                    f"but this step reads it on group {owner}: pass the array this step's "
+                    f"in_shardings place there (compiled.in_shardings), or a plain array "
+                    "present on every rank"
+                )
+
+    def __call__(self, *args: Any) -> PyTree:
+        """Runs one step.
+
+        Args:
+          *args: the arguments, with the pytree structure compiled for.
+
+        Returns:
+          The result pytree of `MpmdArray`s.
+
+        Raises:
+          ValueError: the arguments have another structure, or (MPI mode) an
+            `MpmdArray` argument is held away from the group that reads it.
+        """
+        leaves, tree = jax.tree.flatten(args)
+        if tree != self._in_tree:
+            raise ValueError(f"arguments have structure {tree}, compiled for {self._in_tree}")
+        self._check_args(leaves, args)
+        plan = self.plan
+        n_consts = len(plan.consts)
+        inputs = list(self._fixed)
+        for j, x in enumerate(leaves):
+            inputs[n_consts + j] = self._arg_for_owner(x, n_consts + j)
+        replicas = self._executor.run_replicas(inputs)
+        outs = []
+        for k, (desc, aval) in enumerate(zip(plan.outputs, plan.output_avals)):
+            sharding = self._out_sh[k]
+            if desc[0] == "lit":
+                outs.append(mpmd_array_from_local(self.mesh, desc[1], sharding))
+                continue
+            held = replicas[k]
+            outs.append(MpmdArray._trusted([held[g] for g in self._local_holders[k]],
+                                           sharding, aval.shape, np.dtype(aval.dtype)))
+        return jax.tree.unflatten(plan.out_tree, outs)
