@@ -58,13 +58,13 @@ class ScheduleAnalysis:
     """Figures of one simulated run of a schedule; tuples are indexed by MPMD index.
 
     Attributes:
-        makespan: Time at which the last task ends.
-        busy: Per group, total time spent running tasks.
-        bubble_fraction: Per group, ``1 - busy / makespan`` (idle share of the step).
-        peak_activations: Per group, the most microbatch activations alive at once, summed
-            over the group's stages (an activation of stage ``s`` lives from the start of
-            FWD(s, m) to the end of BWD(s, m), or of BWD_W(s, m) when the backward is split).
-        timeline: Per group, its entries with simulated start and end times, in order.
+      makespan: Time at which the last task ends.
+      busy: Per group, total time spent running tasks.
+      bubble_fraction: Per group, ``1 - busy / makespan`` (idle share of the step).
+      peak_activations: Per group, the most microbatch activations alive at once, summed
+        over the group's stages (an activation of stage ``s`` lives from the start of
+        FWD(s, m) to the end of BWD(s, m), or of BWD_W(s, m) when the backward is split).
+      timeline: Per group, its entries with simulated start and end times, in order.
     """
 
     makespan: float
@@ -187,21 +187,21 @@ def check_tasks(
     ``comm_latency`` later.
 
     Args:
-        tasks: One ordered entry list per group.
-        num_stages: Number of pipeline stages.
-        num_microbatches: Number of microbatches the lists are meant for.
-        stage_to_group: Group of each stage.
-        partial_bwd: Whether backwards are split into BWD_I + BWD_W.
-        name: Schedule name used in error messages.
-        where: Formats the location of entry (group, position) for error messages.
-        latencies: Task durations by kind (defaults: FWD 1, BWD 2, BWD_I 1, BWD_W 1).
-        comm_latency: Delay for a result to reach another group.
+      tasks: One ordered entry list per group.
+      num_stages: Number of pipeline stages.
+      num_microbatches: Number of microbatches the lists are meant for.
+      stage_to_group: Group of each stage.
+      partial_bwd: Whether backwards are split into BWD_I + BWD_W.
+      name: Schedule name used in error messages.
+      where: Formats the location of entry (group, position) for error messages.
+      latencies: Task durations by kind (defaults: FWD 1, BWD 2, BWD_I 1, BWD_W 1).
+      comm_latency: Delay for a result to reach another group.
 
     Returns:
-        Per group, its timeline.
+      Per group, its timeline.
 
     Raises:
-        ScheduleError: naming the offending task, its location and group.
+      ScheduleError: naming the offending task, its location and group.
     """
     where = where or _default_where
     lat = _latencies(latencies)
@@ -333,13 +333,13 @@ def check_schedule(
     """Checks ``schedule.tasks(num_microbatches)`` (see ``check_tasks`` for the rules).
 
     Args:
-        schedule: The schedule to check.
-        num_microbatches: Number of microbatches.
-        comm_latency: Delay for a result to reach another group in the simulation.
+      schedule: The schedule to check.
+      num_microbatches: Number of microbatches.
+      comm_latency: Delay for a result to reach another group in the simulation.
 
     Raises:
-        ScheduleError: if the task lists are invalid or would wait forever.
-        ValueError: if the schedule rejects ``num_microbatches``.
+      ScheduleError: if the task lists are invalid or would wait forever.
+      ValueError: if the schedule rejects ``num_microbatches``.
     """
     _run(schedule, num_microbatches, None, comm_latency)
 
@@ -378,17 +378,17 @@ def analyze_schedule(
     """Checks and simulates a schedule, and reports makespan, bubbles and memory.
 
     Args:
-        schedule: The schedule to analyse.
-        num_microbatches: Number of microbatches.
-        latencies: Task durations by kind, merged over FWD=1, BWD=2, BWD_I=1, BWD_W=1;
-            a fused task lasts the sum of its parts.
-        comm_latency: Delay for a result to reach another group.
+      schedule: The schedule to analyse.
+      num_microbatches: Number of microbatches.
+      latencies: Task durations by kind, merged over FWD=1, BWD=2, BWD_I=1, BWD_W=1;
+        a fused task lasts the sum of its parts.
+      comm_latency: Delay for a result to reach another group.
 
     Returns:
-        A ``ScheduleAnalysis``.
+      A ``ScheduleAnalysis``.
 
     Raises:
-        ScheduleError: if the schedule is invalid for ``num_microbatches``.
+      ScheduleError: if the schedule is invalid for ``num_microbatches``.
     """
     lat = _latencies(latencies)
     timeline = _run(schedule, num_microbatches, lat, comm_latency)

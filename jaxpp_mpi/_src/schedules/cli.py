@@ -153,14 +153,14 @@ def render(
     """Returns the viewer's text report: timeline, task order and figures.
 
     Args:
-        schedule: The schedule shown.
-        n: Number of microbatches.
-        a: Its analysis (`analyze_schedule`) with these latencies.
-        latencies: Task durations given on the command line (over the defaults).
-        comm_latency: Delay for a result to reach another group.
+      schedule: The schedule shown.
+      n: Number of microbatches.
+      a: Its analysis (`analyze_schedule`) with these latencies.
+      latencies: Task durations given on the command line (over the defaults).
+      comm_latency: Delay for a result to reach another group.
 
     Returns:
-        The report, lines joined with newlines.
+      The report, lines joined with newlines.
     """
     lat = {**DEFAULT_LATENCIES, **latencies}
     with_stage = any(groups_needing_stage([[e.entry for e in row] for row in a.timeline]))
@@ -254,10 +254,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Runs the schedule viewer.
 
     Args:
-        argv: The arguments, without the program name; ``sys.argv[1:]`` if None.
+      argv: The arguments, without the program name; ``sys.argv[1:]`` if None.
 
     Returns:
-        The exit status: 0, or 2 on bad input (reported on one line on stderr).
+      The exit status: 0, or 2 on bad input (reported on one line on stderr).
     """
     try:
         args = _parser().parse_args(argv)

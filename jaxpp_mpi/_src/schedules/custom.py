@@ -50,12 +50,12 @@ def format_entry(entry: ScheduleEntry, with_stage: bool = True) -> str:
     """Returns the CSV cell of a task or fused task (`Note: CSV cells`).
 
     Args:
-        entry: A task or fused task.
-        with_stage: Whether to write the stage suffix; without it a part is only its kind
-            letter and microbatch.
+      entry: A task or fused task.
+      with_stage: Whether to write the stage suffix; without it a part is only its kind
+        letter and microbatch.
 
     Returns:
-        E.g. ``F3s5`` (its task label), or ``F4+B1`` without the stage.
+      E.g. ``F3s5`` (its task label), or ``F4+B1`` without the stage.
     """
     if with_stage:
         return task_label(entry)
@@ -66,15 +66,15 @@ def parse_cell(text: str, row: int, column: int = 0) -> ScheduleEntry:
     """Parses a CSV cell into a task or fused task (`Note: CSV cells`).
 
     Args:
-        text: The cell's text.
-        row: The cell's row, which is the stage of a part without the stage suffix.
-        column: The cell's column, for error messages.
+      text: The cell's text.
+      row: The cell's row, which is the stage of a part without the stage suffix.
+      column: The cell's column, for error messages.
 
     Returns:
-        A task, or a tuple of tasks for a fused cell.
+      A task, or a tuple of tasks for a fused cell.
 
     Raises:
-        ScheduleError: naming the cell, if the text is not a task.
+      ScheduleError: naming the cell, if the text is not a task.
     """
     tasks = []
     for part in text.split("+"):
@@ -98,10 +98,10 @@ def groups_needing_stage(schedule_rows: Sequence[Sequence[ScheduleEntry]]) -> li
     """Returns, per group, whether its cells must write the stage (`Note: CSV cells`).
 
     Args:
-        schedule_rows: One entry list per group.
+      schedule_rows: One entry list per group.
 
     Returns:
-        True for a group that runs a stage other than its own index, or several stages.
+      True for a group that runs a stage other than its own index, or several stages.
     """
     out = []
     for g, row in enumerate(schedule_rows):
@@ -114,11 +114,11 @@ def schedule_to_rows(schedule: BaseSchedule, num_microbatches: int) -> list[list
     """Returns the CSV cells of a schedule (`Note: CSV cells`).
 
     Args:
-        schedule: Any schedule.
-        num_microbatches: Number of microbatches.
+      schedule: Any schedule.
+      num_microbatches: Number of microbatches.
 
     Returns:
-        One list of cells per group: ``schedule.tasks(num_microbatches)`` as text.
+      One list of cells per group: ``schedule.tasks(num_microbatches)`` as text.
     """
     rows = schedule.tasks(num_microbatches)
     with_stage = groups_needing_stage(rows)
@@ -131,9 +131,9 @@ def schedule_to_csv(
     """Writes ``schedule.tasks(num_microbatches)`` as CSV, one row per group (see CustomSchedule).
 
     Args:
-        schedule: Any schedule.
-        num_microbatches: Number of microbatches.
-        path: Output file.
+      schedule: Any schedule.
+      num_microbatches: Number of microbatches.
+      path: Output file.
     """
     with open(path, "w", newline="") as f:
         csv.writer(f).writerows(schedule_to_rows(schedule, num_microbatches))
@@ -148,10 +148,10 @@ class CustomSchedule(BaseSchedule):
     number of microbatches it was written for.
 
     Attributes:
-        num_stages: Number of stages (every stage must appear in the lists).
-        groups: One tuple of entries per MPMD group.
-        num_microbatches: Number of microbatches the lists are written for.
-        cells: Optional CSV location (row, column, text) of each entry, for error messages.
+      num_stages: Number of stages (every stage must appear in the lists).
+      groups: One tuple of entries per MPMD group.
+      num_microbatches: Number of microbatches the lists are written for.
+      cells: Optional CSV location (row, column, text) of each entry, for error messages.
     """
 
     groups: tuple[tuple[ScheduleEntry, ...], ...]
@@ -257,15 +257,15 @@ class CustomSchedule(BaseSchedule):
         """Builds a checked schedule from per-group entry lists.
 
         Args:
-            tasks: One ordered entry list per group.
-            num_microbatches: Defaults to the largest microbatch index plus one.
-            cells: Optional CSV location of each entry, for error messages.
+          tasks: One ordered entry list per group.
+          num_microbatches: Defaults to the largest microbatch index plus one.
+          cells: Optional CSV location of each entry, for error messages.
 
         Returns:
-            The schedule; ``num_stages`` is the largest stage index plus one.
+          The schedule; ``num_stages`` is the largest stage index plus one.
 
         Raises:
-            ScheduleError: if the lists are not a complete, runnable schedule.
+          ScheduleError: if the lists are not a complete, runnable schedule.
         """
         all_tasks = [t for row in tasks for e in row for t in entry_tasks(e) if isinstance(t, Task)]
         num_stages = 1 + max((t.stage_id for t in all_tasks), default=0)
@@ -283,13 +283,13 @@ class CustomSchedule(BaseSchedule):
         """Reads and checks a schedule written by ``schedule_to_csv`` or by hand.
 
         Args:
-            path: The CSV file (`Note: CSV cells`), at most ``MAX_CSV_BYTES``.
+          path: The CSV file (`Note: CSV cells`), at most ``MAX_CSV_BYTES``.
 
         Returns:
-            The checked schedule.
+          The checked schedule.
 
         Raises:
-            ScheduleError: naming the offending cell (row, column, text).
+          ScheduleError: naming the offending cell (row, column, text).
         """
         size = os.path.getsize(path)
         if size > MAX_CSV_BYTES:
@@ -304,14 +304,14 @@ class CustomSchedule(BaseSchedule):
         """Like ``from_csv``, from the CSV text itself.
 
         Args:
-            text: The CSV text.
-            source: Its name in error messages.
+          text: The CSV text.
+          source: Its name in error messages.
 
         Returns:
-            The checked schedule.
+          The checked schedule.
 
         Raises:
-            ScheduleError: naming the offending cell (row, column, text).
+          ScheduleError: naming the offending cell (row, column, text).
         """
         groups: list[list[ScheduleEntry]] = []
         cells: list[list[_Cell]] = []

@@ -41,13 +41,13 @@ def check_positive(schedule: str, name: str, value: object, hint: str) -> None:
     """Checks that ``value`` is a positive int (a bool is not).
 
     Args:
-        schedule: Who checks, for the message (a class name or a repr).
-        name: What ``value`` is, for the message.
-        value: The value to check.
-        hint: What to do instead, appended to the message.
+      schedule: Who checks, for the message (a class name or a repr).
+      name: What ``value`` is, for the message.
+      value: The value to check.
+      hint: What to do instead, appended to the message.
 
     Raises:
-        ValueError: if ``value`` is not a positive int.
+      ValueError: if ``value`` is not a positive int.
     """
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{schedule}: {name} must be a positive integer, got {value!r}; {hint}")
@@ -105,13 +105,13 @@ class BaseSchedule(metaclass=ABCMeta):
         """Returns, for each MPMD index, its ordered list of tasks and fused tasks.
 
         Args:
-            num_microbatches: Number of microbatches (microbatch indexes are 0-based).
+          num_microbatches: Number of microbatches (microbatch indexes are 0-based).
 
         Returns:
-            One entry list per MPMD index (`ScheduleTasks`).
+          One entry list per MPMD index (`ScheduleTasks`).
 
         Raises:
-            ValueError: if this schedule cannot run ``num_microbatches`` microbatches.
+          ValueError: if this schedule cannot run ``num_microbatches`` microbatches.
         """
 
 
@@ -424,14 +424,14 @@ def schedule_by_name(name: str, mpmd_dim: int) -> BaseSchedule:
     interleaved, dualpipev and kimik2.
 
     Args:
-        name: One of `SCHEDULE_NAMES`.
-        mpmd_dim: Number of MPMD groups.
+      name: One of `SCHEDULE_NAMES`.
+      mpmd_dim: Number of MPMD groups.
 
     Returns:
-        The schedule, with ``num_stages`` equal to ``mpmd_dim`` or ``2 * mpmd_dim``.
+      The schedule, with ``num_stages`` equal to ``mpmd_dim`` or ``2 * mpmd_dim``.
 
     Raises:
-        ValueError: for an unknown name.
+      ValueError: for an unknown name.
     """
     cls = SCHEDULES.get(name)
     if cls is None:

@@ -74,9 +74,9 @@ class Task:
     """One unit of pipeline work: run ``type`` of stage ``stage_id`` on ``microbatch``.
 
     Attributes:
-        stage_id: Pipeline stage, ``0 <= stage_id < num_stages``.
-        microbatch: 0-based microbatch index.
-        type: Forward, full backward, or one half of a split backward.
+      stage_id: Pipeline stage, ``0 <= stage_id < num_stages``.
+      microbatch: 0-based microbatch index.
+      type: Forward, full backward, or one half of a split backward.
     """
 
     stage_id: int
@@ -113,9 +113,9 @@ class TaskPart:
     (code outside the microbatch loop).
 
     Attributes:
-        kind: Kind letter, ``'pre'``/``'post'`` for a segment, else the text's leading letters.
-        microbatch: Microbatch index, or None outside the microbatch loop.
-        stage: Stage index, or None outside the microbatch loop.
+      kind: Kind letter, ``'pre'``/``'post'`` for a segment, else the text's leading letters.
+      microbatch: Microbatch index, or None outside the microbatch loop.
+      stage: Stage index, or None outside the microbatch loop.
     """
 
     kind: str
@@ -135,10 +135,10 @@ def parse_label(label: str) -> tuple[TaskPart, ...]:
     keeps its leading letters as its kind (``''`` -> ``'other'``).
 
     Args:
-        label: A `Run` instruction's task label.
+      label: A `Run` instruction's task label.
 
     Returns:
-        One `TaskPart` per ``+``-separated part.
+      One `TaskPart` per ``+``-separated part.
     """
     parts = []
     for text in label.split("+"):
@@ -157,10 +157,10 @@ def describe_label(label: str) -> str:
     """Returns a label in words, for watchdog and error reports.
 
     Args:
-        label: A task label, e.g. ``B3s1``; segments and other text are kept as they are.
+      label: A task label, e.g. ``B3s1``; segments and other text are kept as they are.
 
     Returns:
-        E.g. ``task B3s1 (backward, microbatch 3, stage 1)``; ``task preg0`` for a segment.
+      E.g. ``task B3s1 (backward, microbatch 3, stage 1)``; ``task preg0`` for a segment.
     """
     words = [
         f"{KIND_NAMES[p.kind]}, microbatch {p.microbatch}, stage {p.stage}"
@@ -174,10 +174,10 @@ def kind_latencies(latencies: Mapping[TaskType, float] | None = None) -> dict[st
     """Returns task latencies keyed by kind letter: `DEFAULT_LATENCIES` updated by ``latencies``.
 
     Args:
-        latencies: Latencies that replace the defaults of their kinds, or None.
+      latencies: Latencies that replace the defaults of their kinds, or None.
 
     Returns:
-        A dict from kind letter (``'F'``, ``'B'``, ``'I'``, ``'W'``) to latency.
+      A dict from kind letter (``'F'``, ``'B'``, ``'I'``, ``'W'``) to latency.
     """
     merged = {**DEFAULT_LATENCIES, **(latencies or {})}
     return {kind.value: float(value) for kind, value in merged.items()}
@@ -187,13 +187,13 @@ def label_latency(label: str) -> float:
     """Returns the default latency of a labelled task: the sum over its parts, 0 for ``''``.
 
     Args:
-        label: A task label (`Note: task labels`), fused or not, or ``''``.
+      label: A task label (`Note: task labels`), fused or not, or ``''``.
 
     Returns:
-        The sum of the parts' `DEFAULT_LATENCIES`.
+      The sum of the parts' `DEFAULT_LATENCIES`.
 
     Raises:
-        ValueError: if a part is not a pipeline task (a segment has no default latency).
+      ValueError: if a part is not a pipeline task (a segment has no default latency).
     """
     if not label:
         return 0.0
