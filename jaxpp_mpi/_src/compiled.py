@@ -26,7 +26,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from jaxpp_mpi._src.arguments import paths
 from jaxpp_mpi._src.array import MpmdArray, MpmdSharding, mpmd_array_from_local
 from jaxpp_mpi._src.compiler.build import StepPlan
-from jaxpp_mpi._src.ir.program import Aval, GroupProgram, Program
+from jaxpp_mpi._src.ir.program import Aval, GroupProgram, Program, Run
 from jaxpp_mpi._src.mesh import MpmdMesh
 from jaxpp_mpi._src.types import PyTree
 
@@ -64,6 +64,14 @@ def compile_exe(exe: Exe, in_avals: Sequence[Aval], out_avals: Sequence[Aval],
     return jitted.lower(*structs).compile()
 
 
+def _flops(exe: jax.stages.Compiled) -> float:
+    """Per-device FLOPs of one run of `exe`, from XLA's cost analysis (0 if none)."""
+    cost = exe.cost_analysis()
+    if isinstance(cost, (list, tuple)):  # older JAX: one dict per program
+        cost = cost[0] if cost else {}
+    return float((cost or {}).get("flops", 0.0))
+
+
 class MpmdCompiled:
     """A step compiled for one argument signature (see `Note: calling a compiled step`).
 
@@ -93,6 +101,7 @@ class MpmdCompiled:
         self.out_shardings = jax.tree.unflatten(plan.out_tree, out_sh)
         self._out_sh = out_sh
         self._local_holders = [sh.local_mesh_ids for sh in out_sh]
+        self._executables: list[dict[str, jax.stages.Compiled]] = []
         self._executor = self._make_executor()
         self._fixed = self._fixed_inputs()
 
@@ -101,6 +110,42 @@ class MpmdCompiled:
     def program(self, group: int | None = None) -> Program | GroupProgram:
         """The whole program, or group `group`'s part; `print` it to read it."""
         return self.plan.program if group is None else self.plan.program.group(group)
+
+    def cost_analysis(self) -> list[dict[str, Any] | None]:
+        """XLA's per-device FLOPs of one step, per group, for checking balance and sharding.
+
+        Returns:
+          One entry per MPMD index: None for a group this process does not hold (in MPI
+          mode, every group but this rank's), else a dict with `"flops"`, the per-device
+          FLOPs of one whole step on the group (each executable's cost analysis times the
+          number of `run` instructions of it in the group's program), and
+          `"per_executable"`, `{executable name: per-device flops of one run}`.
+        """
+        out: list[dict[str, Any] | None] = []
+        for g, exes in enumerate(self._executables):
+            if g not in self.mesh.local_groups:
+                out.append(None)
+                continue
+            per_exe = {name: _flops(exe) for name, exe in exes.items()}
+            runs = [i.exe for i in self.plan.program.group(g).instrs if isinstance(i, Run)]
+            out.append({"flops": float(sum(per_exe[name] for name in runs)),
+                        "per_executable": per_exe})
+        return out
+
+    def as_text(self, group: int, name: str) -> str:
+        """The optimized HLO of executable `name` of group `group` (held by this process).
+
+        Raises:
+          ValueError: if this process does not hold `group` or it has no such executable.
+        """
+        if group not in self.mesh.local_groups:
+            raise ValueError(f"group {group} is not held by this process (it holds "
+                             f"{sorted(self.mesh.local_groups)}); ask on its rank")
+        exes = self._executables[group]
+        if name not in exes:
+            raise ValueError(f"group {group} has no executable {name!r}; it has "
+                             f"{', '.join(sorted(exes))}")
+        return exes[name].as_text()
 
     def _output_holders(self) -> list[tuple[int, ...]]:
         """Per output, the groups that hold it (group 0 for a literal)."""
@@ -162,6 +207,7 @@ class MpmdCompiled:
         report = mesh.is_local or mesh.my_mpmd_axis_index == 0
         executables = [self._compile_group(g, report) if g in mesh.local_groups else {}
                        for g in range(plan.num_groups)]
+        self._executables = executables
         if mesh.is_local:
             from jaxpp_mpi._src.runtime.local import LocalExecutor
 
