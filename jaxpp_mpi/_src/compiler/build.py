@@ -15,8 +15,6 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import jax
-import numpy as np
 from jax.extend import core as jex_core
 
 from jaxpp_mpi._src.compiler.loop_tasks import (
@@ -289,24 +287,3 @@ def build_step(
         split=split,
         loop=lp,
     )
-
-
-def compile_exe(exe: Exe, in_avals: Sequence[Aval], out_avals: Sequence[Aval],
-                sharding: Callable[[Aval], jax.sharding.Sharding]):
-    """AOT-compiles one executable for one group, every buffer laid out as its Aval says.
-
-    Args:
-      exe: the executable.
-      in_avals: its input avals; out_avals: its output avals.
-      sharding: Aval -> the sharding of such a value on the group.
-
-    Returns:
-      A `jax.stages.Compiled`: called with the input arrays, it returns the outputs.
-    """
-    in_sh = tuple(sharding(a) for a in in_avals)
-    out_sh = tuple(sharding(a) for a in out_avals)
-    structs = [jax.ShapeDtypeStruct(a.shape, np.dtype(a.dtype), sharding=s)
-               for a, s in zip(in_avals, in_sh)]
-    jitted = jax.jit(exe.fn, in_shardings=in_sh, out_shardings=out_sh,
-                     donate_argnums=exe.donate_argnums)
-    return jitted.lower(*structs).compile()

@@ -32,6 +32,7 @@ from jaxpp_mpi._src.compiler.task_graph import TaskNode, Value
 from jaxpp_mpi._src.errors import CompileError
 from jaxpp_mpi._src.ir.program import Aval
 from jaxpp_mpi._src.schedules.library import BaseSchedule, TaskType, entry_tasks
+from jaxpp_mpi._src.schedules.tasks import Task, task_label
 from jaxpp_mpi._src.treduce import Add, Concat, Max, Op
 
 __all__ = ["Exe", "LoopPlacement", "LoopTasks", "aval_of", "build_loop_tasks", "place_loop"]
@@ -283,7 +284,7 @@ def build_loop_tasks(
             for k, v in zip(ks, states_out):
                 result.avals[v] = acc_avals[k]
             result.tasks[g].append(TaskNode(
-                f"{kind}{m}s{stage}", g, exe, (*ins, *states_in),
+                task_label(Task(stage, m, TaskType(kind))), g, exe, (*ins, *states_in),
                 (*(f"{task.outs[j]}@{m}" for j in export), *states_out),
                 donate=tuple(states_in),
             ))
