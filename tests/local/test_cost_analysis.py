@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import jax
 import pytest
+from models import make_step, mlp, schedule, transformer
 
 import jaxpp_mpi as jp
-from models import make_step, mlp, schedule, transformer
 
 MODELS = {"mlp": mlp, "transformer": transformer}
 

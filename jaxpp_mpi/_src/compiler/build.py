@@ -1,7 +1,7 @@
 """The compiler's driver: a user step becomes a verified Program and its executables.
 
-    trace_step ─▶ split_body ─▶ place_loop ─▶ place_outer ─▶ build_loop_tasks
-      ─▶ outer_segments ─▶ TaskGraph ─▶ build_program_with_names (verified)
+    trace_step ─▶ split_body ─▶ assign_loop_homes ─▶ assign_outer_homes
+      ─▶ build_loop_tasks ─▶ outer_segments ─▶ TaskGraph ─▶ build_program_with_names
 
 Every pass is a function of plain data; this module only wires them and names the
 step's inputs and outputs. Nothing here touches devices: `StepPlan` is the same on
@@ -12,36 +12,32 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Collection, Sequence
+from typing import Any, NamedTuple
 
 from jax.extend import core as jex_core
 
-from jaxpp_mpi._src.compiler.loop_tasks import (
-    Exe,
-    LoopPlacement,
-    aval_of,
-    build_loop_tasks,
-    place_loop,
-)
+from jaxpp_mpi._src.compiler.homes import LoopHomes, assign_loop_homes, assign_outer_homes
+from jaxpp_mpi._src.compiler.loop_tasks import Exe, aval_of, build_loop_tasks
 from jaxpp_mpi._src.compiler.lower import build_program_with_names
 from jaxpp_mpi._src.compiler.outer import (
     OuterNames,
     Segment,
+    input_value,
     outer_segments,
     segment_exe,
     segment_exports,
 )
-from jaxpp_mpi._src.compiler.placement import place_outer
-from jaxpp_mpi._src.compiler.split import SplitBody, split_body
+from jaxpp_mpi._src.compiler.split import split_body
 from jaxpp_mpi._src.compiler.task_graph import TaskGraph, TaskNode, Value
 from jaxpp_mpi._src.compiler.trace_step import trace_step
 from jaxpp_mpi._src.errors import CompileError
 from jaxpp_mpi._src.ir.program import Aval, Program
+from jaxpp_mpi._src.types import Spec
 
 __all__ = ["StepPlan", "build_step"]
 
-Spec = tuple  # program spec entries (see program.Aval)
+ExeAvals = tuple[tuple[Aval, ...], tuple[Aval, ...]]  # an executable's (input, output) avals
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,15 +58,12 @@ class StepPlan:
         ("lit", value) for a constant result.
       output_avals: per flat step output, its Aval.
       out_tree: the result's pytree structure.
-      schedule: the loop's schedule; num_microbatches: its microbatch count.
-      split: the split loop body (the stage tasks).
-      loop: where the loop's operands and results live.
     """
 
     program: Program
     buffer_names: tuple[dict[int, Value], ...]
     exes: tuple[dict[str, Exe], ...]
-    exe_avals: tuple[dict[str, tuple[tuple[Aval, ...], tuple[Aval, ...]]], ...]
+    exe_avals: tuple[dict[str, ExeAvals], ...]
     consts: tuple[Any, ...]
     num_args: int
     input_avals: tuple[Aval, ...]
@@ -79,17 +72,39 @@ class StepPlan:
     outputs: tuple[tuple, ...]
     output_avals: tuple[Aval, ...]
     out_tree: Any
-    schedule: Any
-    num_microbatches: int
-    split: SplitBody
-    loop: LoopPlacement
 
     @property
     def num_groups(self) -> int:
         return self.program.num_groups
 
 
+class _Options(NamedTuple):
+    """The caller's per-leaf options with their defaults filled in."""
+
+    in_specs: list[Spec | None]  # per flat argument
+    out_specs: list[Spec | None]  # per flat result
+    donate: list[bool]  # per flat argument
+
+
+class _Outputs(NamedTuple):
+    """The step's results (see `StepPlan.outputs`)."""
+
+    descs: list[tuple]  # per flat result: ("val", group) or ("lit", value)
+    values: list[tuple[Value, int]]  # (value, flat result index) of each "val" result
+    avals: list[Aval]  # per flat result
+
+
+class _Inputs(NamedTuple):
+    """The step's inputs: user inputs on their owners, then microbatch indexes."""
+
+    bindings: list[tuple[Value, int, int]]  # (value, owner group, flat input index)
+    avals: list[Aval]  # per flat input
+    owner: list[int | None]  # per flat input
+    mb_inputs: list[tuple[int, int, int]]  # (flat input index, group, microbatch)
+
+
 def _check_schedule(schedule: Any, num_groups: int) -> None:
+    """Raises CompileError unless `schedule` is built for `num_groups` groups."""
     dim = getattr(schedule, "mpmd_dim", None)
     if dim != num_groups:
         raise CompileError(
@@ -99,31 +114,175 @@ def _check_schedule(schedule: Any, num_groups: int) -> None:
         )
 
 
-def _donations(
-    order: list, seg_ins: dict[int, list[Value]], seg_outs: dict[int, list[Value]],
-    donatable: set[Value], keep: set[Value], avals: dict[Value, Aval],
-) -> dict[int, tuple[int, ...]]:
-    """Per segment (by id), the argnums of donated step inputs.
+def _options(in_specs, out_specs, donate, num_args: int, num_outputs: int) -> _Options:
+    """The options of `build_step`, None meaning the default for every leaf."""
+    return _Options(
+        list(in_specs) if in_specs is not None else [None] * num_args,
+        list(out_specs) if out_specs is not None else [None] * num_outputs,
+        list(donate) if donate is not None else [False] * num_args,
+    )
 
-    A step input may be donated by the segment that reads it last on its owner, if it
-    is not a step result, and only as many of one aval as the segment returns values
-    of that aval (XLA reuses a donated buffer only for an output of its shape).
+
+def _loop_outputs(
+    loop: jex_core.JaxprEqn, names: OuterNames, homes: LoopHomes, num_microbatches: int
+) -> tuple[list[Value], dict[Value, Aval]]:
+    """Names the final state of each loop output.
+
+    Args:
+      loop: the loop eqn.
+      names: the value names of the step's variables.
+      homes: from `assign_loop_homes`.
+      num_microbatches: the loop's microbatch count.
+
+    Returns:
+      Per loop output, the value name of its final state; and the avals of the states
+      of dropped outputs (that no variable names: `loopout<k>`, still computed).
     """
-    later: set[Value] = set()
-    out: dict[int, tuple[int, ...]] = {}
-    for item in reversed(order):
-        ins = seg_ins[id(item)] if isinstance(item, Segment) else list(item.ins)
-        if isinstance(item, Segment):
-            budget = Counter((avals[v].shape, avals[v].dtype) for v in seg_outs[id(item)])
-            picked = []
-            for j, v in enumerate(ins):
-                key = (avals[v].shape, avals[v].dtype)
-                if v in donatable and v not in later and v not in keep and budget[key] > 0:
-                    budget[key] -= 1
-                    picked.append(j)
-            out[id(item)] = tuple(picked)
-        later.update(ins)
+    params = loop.params
+    values: list[Value] = []
+    dropped: dict[Value, Aval] = {}
+    for k, (v, g) in enumerate(zip(loop.outvars, homes.out_groups)):
+        if isinstance(v, jex_core.DropVar):
+            values.append(f"loopout{k}")
+            op, body_aval = params["ops"][k], params["body"].out_avals[k]
+            dropped[values[-1]] = aval_of(op.result_aval(num_microbatches, body_aval))
+        else:
+            values.append(names.value(v, g))
+    return values, dropped
+
+
+def _value_avals(
+    jaxpr: jex_core.Jaxpr, num_consts: int, options: _Options, names: OuterNames,
+    loop_avals: dict[Value, Aval], dropped: dict[Value, Aval],
+) -> tuple[list[Aval], dict[Value, Aval]]:
+    """The avals of the step's inputs and of every value.
+
+    A variable that is a step result carries that result's spec (its first one).
+
+    Returns:
+      Per flat step input, its aval; and the aval of every value (the loop tasks',
+      the inputs', the named variables', and the dropped loop outputs').
+    """
+    avals: dict[Value, Aval] = dict(loop_avals)
+    input_avals = []
+    for k, v in enumerate(jaxpr.invars):
+        spec = options.in_specs[k - num_consts] if k >= num_consts else None
+        input_avals.append(aval_of(v.aval, spec or ()))
+        avals[input_value(k)] = input_avals[-1]
+    out_spec_of: dict[jex_core.Var, Spec] = {}
+    for k, v in enumerate(jaxpr.outvars):
+        if isinstance(v, jex_core.Var) and not isinstance(v, jex_core.Literal):
+            out_spec_of.setdefault(v, options.out_specs[k] or ())
+    for v in names.defined():
+        for g in names.groups(v):
+            avals[names.value(v, g)] = aval_of(v.aval, out_spec_of.get(v, ()))
+    avals.update(dropped)
+    return input_avals, avals
+
+
+def _step_outputs(
+    jaxpr: jex_core.Jaxpr, names: OuterNames, output_group: Sequence[int],
+    out_specs: Sequence[Spec | None], avals: dict[Value, Aval],
+) -> _Outputs:
+    """Where each step result comes from: a value on its holder, or a literal."""
+    out = _Outputs([], [], [])
+    for k, v in enumerate(jaxpr.outvars):
+        if isinstance(v, jex_core.Literal):
+            out.descs.append(("lit", v.val))
+            out.avals.append(aval_of(v.aval, out_specs[k] or ()))
+            continue
+        g = names.holder(v, output_group[k])
+        value = names.value(v, g)
+        out.descs.append(("val", g))
+        out.values.append((value, k))
+        out.avals.append(avals[value])
     return out
+
+
+def _donated_argnums(
+    ins: Sequence[Value], outs: Sequence[Value], donatable: Collection[Value],
+    avals: dict[Value, Aval],
+) -> tuple[int, ...]:
+    """The argnums of a segment's donatable inputs that it may donate.
+
+    Only as many of one aval as the segment returns values of that aval: XLA reuses
+    a donated buffer only for an output of its shape.
+    """
+    budget = Counter((avals[v].shape, avals[v].dtype) for v in outs)
+    picked = []
+    for j, v in enumerate(ins):
+        key = (avals[v].shape, avals[v].dtype)
+        if v in donatable and budget[key] > 0:
+            budget[key] -= 1
+            picked.append(j)
+    return tuple(picked)
+
+
+def _group_tasks(
+    order: Sequence[Segment | TaskNode], group: int, names: OuterNames,
+    read: Collection[Value], donatable: Collection[Value], avals: dict[Value, Aval],
+) -> tuple[list[TaskNode], dict[str, Exe]]:
+    """Turns one group's segments into tasks and executables.
+
+    A segment exports the variables it defines that something reads (`read`), and
+    donates a donatable step input if no later task of the group reads it (see
+    `_donated_argnums` for how many).
+
+    Args:
+      order: the group's pre segment, loop tasks and post segments, in run order.
+      group: the group.
+      names: the value names of the step's variables.
+      read: every value a task or the step's result reads.
+      donatable: the step inputs the user lets go that are not step results.
+      avals: the aval of every value.
+
+    Returns:
+      The group's tasks in run order, and the executables of its segments.
+    """
+    later: set[Value] = set()  # values read after the current item (reverse walk)
+    done: list[tuple[TaskNode, Exe | None]] = []
+    for item in reversed(order):
+        if isinstance(item, Segment):
+            export = segment_exports(item, names, read)
+            outs = [names.value(v, group) for v in export]
+            free = [v for v in item.ins if v in donatable and v not in later]
+            argnums = _donated_argnums(item.ins, outs, free, avals)
+            node = TaskNode(item.task_name, group, item.exe, item.ins, outs,
+                            donate=tuple(item.ins[j] for j in argnums))
+            done.append((node, segment_exe(item, export, argnums)))
+        else:
+            done.append((item, None))
+        later.update(item.ins)
+    done.reverse()
+    return [node for node, _ in done], {node.exe: exe for node, exe in done if exe is not None}
+
+
+def _step_inputs(
+    input_owner: Sequence[int | None], input_avals: Sequence[Aval],
+    mb_values: dict[tuple[int, int], Value], avals: dict[Value, Aval],
+) -> _Inputs:
+    """Binds the step's inputs: constants and arguments on their owners, then one
+    microbatch index per (microbatch, group) that a task reads, by group."""
+    bindings = [(input_value(k), g, k) for k, g in enumerate(input_owner) if g is not None]
+    out = _Inputs(bindings, list(input_avals), list(input_owner), [])
+    for (m, g), v in sorted(mb_values.items(), key=lambda x: (x[0][1], x[0][0])):
+        k = len(out.avals)
+        out.bindings.append((v, g, k))
+        out.avals.append(avals[v])
+        out.owner.append(g)
+        out.mb_inputs.append((k, g, m))
+    return out
+
+
+def _exe_avals(tasks: Sequence[Sequence[TaskNode]], avals: dict[Value, Aval]
+               ) -> tuple[dict[str, ExeAvals], ...]:
+    """Per group, executable name -> (input avals, output avals) of its first run."""
+    out: list[dict[str, ExeAvals]] = [{} for _ in tasks]
+    for g, group_tasks in enumerate(tasks):
+        for t in group_tasks:
+            out[g].setdefault(
+                t.exe, (tuple(avals[v] for v in t.ins), tuple(avals[v] for v in t.outs)))
+    return tuple(out)
 
 
 def build_step(
@@ -155,135 +314,58 @@ def build_step(
         the schedule does not have, a microbatch count it rejects, ...).
     """
     traced = trace_step(fun, args, what=what)
-    jaxpr, loop = traced.jaxpr, traced.loop
+    jaxpr, loop, loop_index = traced.jaxpr, traced.loop, traced.loop_index
     params = loop.params
-    schedule, n, ops = params["schedule"], params["num_microbatches"], params["ops"]
+    schedule, n = params["schedule"], params["num_microbatches"]
     _check_schedule(schedule, num_groups)
     split = split_body(params["body"], schedule.num_stages,
                        partial_bwd=schedule.is_partial_bwd)
-    lp = place_loop(split, schedule, len(loop.invars))
-    plan = place_outer(jaxpr, traced.loop_index, lp.invariant_groups, lp.out_groups)
-    names = OuterNames(jaxpr, traced.loop_index, plan, lp.out_groups)
+    loop_homes = assign_loop_homes(split, schedule, len(loop.invars))
+    homes = assign_outer_homes(jaxpr, loop_index, loop_homes.invariant_groups,
+                               loop_homes.out_groups)
+    names = OuterNames(jaxpr, loop_index, homes, loop_homes.out_groups)
+    num_consts = len(traced.consts)
+    num_args = len(jaxpr.invars) - num_consts
+    options = _options(in_specs, out_specs, donate, num_args, len(jaxpr.outvars))
 
-    n_consts = len(traced.consts)
-    n_args = len(jaxpr.invars) - n_consts
-    in_specs = list(in_specs) if in_specs is not None else [None] * n_args
-    donate = list(donate) if donate is not None else [False] * n_args
-    out_specs = list(out_specs) if out_specs is not None else [None] * len(jaxpr.outvars)
+    loop_outs, dropped = _loop_outputs(loop, names, loop_homes, n)
+    lt = build_loop_tasks(split, loop_homes, schedule, n, params["ops"],
+                          params["body"].out_avals,
+                          lambda j, g: names.value(loop.invars[j], g), loop_outs)
+    pre, post = outer_segments(jaxpr, loop_index, homes, names, num_groups)
+    input_avals, avals = _value_avals(jaxpr, num_consts, options, names, lt.avals, dropped)
+    outputs = _step_outputs(jaxpr, names, homes.output_group, options.out_specs, avals)
 
-    def inv_value(j: int, g: int) -> Value:
-        return names.value(loop.invars[j], g)
-
-    loop_out_values = [
-        names.value(v, g) if names.ids.get(v) is not None else f"loopout{k}"
-        for k, (v, g) in enumerate(zip(loop.outvars, lp.out_groups))
-    ]
-    lt = build_loop_tasks(split, lp, schedule, n, ops, params["body"].out_avals,
-                          inv_value, loop_out_values)
-    pre, post = outer_segments(jaxpr, traced.loop_index, plan, names, num_groups)
-
-    # Avals of every value.
-    avals: dict[Value, Aval] = dict(lt.avals)
-    input_avals = []
-    for k, v in enumerate(jaxpr.invars):
-        spec = in_specs[k - n_consts] if k >= n_consts else None
-        input_avals.append(aval_of(v.aval, spec or ()))
-        avals[f"in{k}"] = input_avals[-1]
-    out_spec_of = {}
-    for k, v in enumerate(jaxpr.outvars):
-        if isinstance(v, jex_core.Var) and not isinstance(v, jex_core.Literal):
-            out_spec_of.setdefault(v, out_specs[k] or ())
-    for v in names.ids:
-        groups = [names.home[v]] if v in names.home else sorted(names.free_groups[v])
-        for g in groups:
-            avals[names.value(v, g)] = aval_of(v.aval, out_spec_of.get(v, ()))
-    for k, v in enumerate(loop_out_values):
-        if v.startswith("loopout"):
-            avals[v] = aval_of(ops[k].result_aval(n, params["body"].out_avals[k]))
-
-    # Step outputs.
-    outputs, output_values, output_avals = [], [], []
-    for k, v in enumerate(jaxpr.outvars):
-        if isinstance(v, jex_core.Literal):
-            outputs.append(("lit", v.val))
-            output_avals.append(aval_of(v.aval, out_specs[k] or ()))
-            continue
-        g = names.holder(v, plan.output_group[k])
-        value = names.value(v, g)
-        outputs.append(("val", g))
-        output_values.append((value, k))
-        output_avals.append(avals[value])
-
-    # Each group's order: pre, loop tasks, post segments by level.
-    orders: list[list] = []
-    for g in range(num_groups):
-        orders.append(([pre[g]] if pre[g] else []) + lt.tasks[g] + post[g])
-    read: set[Value] = {v for v, _ in output_values}
-    for order in orders:
-        for item in order:
-            read.update(item.ins)
-    seg_exports: dict[int, list] = {}  # per segment (by id): the variables it exports
-    seg_outs: dict[int, list[Value]] = {}  # ... and their value names
-    for g, order in enumerate(orders):
-        for item in order:
-            if isinstance(item, Segment):
-                seg_exports[id(item)] = segment_exports(item, names, read)
-                seg_outs[id(item)] = [names.value(v, g) for v in seg_exports[id(item)]]
-    donatable = {f"in{k + n_consts}" for k in range(n_args) if donate[k]}
-    keep = {v for v, _ in output_values}
-    exes: list[dict[str, Exe]] = [dict(e) for e in lt.exes]
+    # Each group runs its pre segment, its loop tasks, then its post segments by level.
+    orders = [([pre[g]] if pre[g] else []) + lt.tasks[g] + post[g] for g in range(num_groups)]
+    kept = {v for v, _ in outputs.values}
+    read = kept.union(*(item.ins for order in orders for item in order))
+    donatable = {input_value(num_consts + k) for k in range(num_args)
+                 if options.donate[k]} - kept
     tasks: list[list[TaskNode]] = []
+    exes: list[dict[str, Exe]] = []
     for g, order in enumerate(orders):
-        seg_ins = {id(s): s.ins for s in order if isinstance(s, Segment)}
-        donations = _donations(order, seg_ins, seg_outs, donatable, keep, avals)
-        group_tasks = []
-        for item in order:
-            if isinstance(item, Segment):
-                argnums = donations[id(item)]
-                exes[g][item.exe] = segment_exe(item, seg_exports[id(item)], argnums)
-                group_tasks.append(TaskNode(item.task_name, g, item.exe, item.ins,
-                                            seg_outs[id(item)],
-                                            donate=tuple(item.ins[j] for j in argnums)))
-            else:
-                group_tasks.append(item)
+        group_tasks, segment_exes = _group_tasks(order, g, names, read, donatable, avals)
         tasks.append(group_tasks)
+        exes.append({**lt.exes[g], **segment_exes})
 
-    # Step inputs: constants and arguments on their owners, then microbatch indexes.
-    graph_inputs = [(f"in{k}", g, k) for k, g in enumerate(plan.input_owner) if g is not None]
-    input_owner = list(plan.input_owner)
-    mb_inputs = []
-    for (m, g), v in sorted(lt.mb_values.items(), key=lambda x: (x[0][1], x[0][0])):
-        k = len(input_avals)
-        graph_inputs.append((v, g, k))
-        input_avals.append(avals[v])
-        input_owner.append(g)
-        mb_inputs.append((k, g, m))
-    graph = TaskGraph(num_groups, tasks, graph_inputs, output_values, avals)
+    inputs = _step_inputs(homes.input_owner, input_avals, lt.mb_values, avals)
+    graph = TaskGraph(num_groups, tasks, inputs.bindings, outputs.values, avals)
     try:
         program, buffer_names = build_program_with_names(graph)
     except ValueError as e:
         raise CompileError(f"{what}: internal error while building the program: {e}") from e
-
-    exe_avals: list[dict] = [{} for _ in range(num_groups)]
-    for g, group_tasks in enumerate(tasks):
-        for t in group_tasks:
-            exe_avals[g].setdefault(
-                t.exe, (tuple(avals[v] for v in t.ins), tuple(avals[v] for v in t.outs)))
     return StepPlan(
         program=program,
         buffer_names=buffer_names,
         exes=tuple(exes),
-        exe_avals=tuple(exe_avals),
+        exe_avals=_exe_avals(tasks, avals),
         consts=traced.consts,
-        num_args=n_args,
-        input_avals=tuple(input_avals),
-        input_owner=tuple(input_owner),
-        mb_inputs=tuple(mb_inputs),
-        outputs=tuple(outputs),
-        output_avals=tuple(output_avals),
+        num_args=num_args,
+        input_avals=tuple(inputs.avals),
+        input_owner=tuple(inputs.owner),
+        mb_inputs=tuple(inputs.mb_inputs),
+        outputs=tuple(outputs.descs),
+        output_avals=tuple(outputs.avals),
         out_tree=traced.out_tree,
-        schedule=schedule,
-        num_microbatches=n,
-        split=split,
-        loop=lp,
     )

@@ -11,8 +11,20 @@ def new_jaxpr(
     invars: Sequence, outvars: Sequence, eqns: Sequence, *, name: str,
     constvars: Sequence = (),
 ) -> jex_core.Jaxpr:
-    """A Jaxpr over the given vars and eqns, with its effects and a DebugInfo
-    (JAX deprecates jaxprs without one; `name` shows in its error messages)."""
+    """A Jaxpr over the given vars and eqns, with its effects and a DebugInfo.
+
+    JAX deprecates jaxprs without a DebugInfo.
+
+    Args:
+      invars: the jaxpr's inputs.
+      outvars: its outputs (variables or literals).
+      eqns: its equations, in order.
+      name: a name that shows in JAX's error messages about it.
+      constvars: its constant inputs.
+
+    Returns:
+      The Jaxpr; its effects are the union of the eqns'.
+    """
     effects = set()
     for e in eqns:
         effects |= set(e.effects)

@@ -27,15 +27,17 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
 
-from jaxpp_mpi._src.compiler.split import BWD, BWD_I, BWD_W, FWD, SplitBody, TaskJaxpr, TaskKey
+from jaxpp_mpi._src.compiler.homes import LoopHomes
+from jaxpp_mpi._src.compiler.split import SplitBody, TaskJaxpr, TaskKey
 from jaxpp_mpi._src.compiler.task_graph import TaskNode, Value
 from jaxpp_mpi._src.errors import CompileError
 from jaxpp_mpi._src.ir.program import Aval
-from jaxpp_mpi._src.schedules.library import BaseSchedule, TaskType, entry_tasks
-from jaxpp_mpi._src.schedules.tasks import Task, task_label
+from jaxpp_mpi._src.schedules.library import BaseSchedule, entry_tasks
+from jaxpp_mpi._src.schedules.tasks import Task, TaskType, task_label
 from jaxpp_mpi._src.treduce import Add, Concat, Max, Op
+from jaxpp_mpi._src.types import Spec
 
-__all__ = ["Exe", "LoopPlacement", "LoopTasks", "aval_of", "build_loop_tasks", "place_loop"]
+__all__ = ["Exe", "LoopTasks", "aval_of", "build_loop_tasks"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,44 +53,17 @@ class Exe:
     donate_argnums: tuple[int, ...] = ()
 
 
-def aval_of(aval, spec: tuple = ()) -> Aval:
-    """The program Aval of a JAX aval (its in-group spec given separately)."""
-    return Aval(tuple(aval.shape), np.dtype(aval.dtype).name, tuple(spec))
+def aval_of(aval, spec: Spec = ()) -> Aval:
+    """The program Aval of a JAX aval.
 
+    Args:
+      aval: a JAX aval (anything with `shape` and `dtype`).
+      spec: its in-group spec entries, given separately.
 
-@dataclasses.dataclass(frozen=True)
-class LoopPlacement:
-    """Where the loop's operands and results live (the result of `place_loop`).
-
-    Attributes:
-      stage_group: stage -> group.
-      host: per body output, the task key that reduces it.
-      invariant_groups: per loop operand, the groups whose tasks read it.
-      out_groups: per loop output, the group that holds it.
+    Returns:
+      The Aval.
     """
-
-    stage_group: tuple[int, ...]
-    host: tuple[TaskKey, ...]
-    invariant_groups: tuple[frozenset[int], ...]
-    out_groups: tuple[int, ...]
-
-
-def place_loop(split: SplitBody, schedule: BaseSchedule, num_invariants: int) -> LoopPlacement:
-    """Places the loop's stages, reductions and operands on groups."""
-    stage_group = tuple(schedule.get_mpmd_idx(s) for s in range(split.num_stages))
-    last_fwd = (FWD, split.num_stages - 1)
-    host = tuple(split.value_task[ref[1]] if ref[0] == "val" else last_fwd
-                 for ref in split.body_outputs)
-    groups: list[set[int]] = [set() for _ in range(num_invariants)]
-    for task in split.tasks:
-        for ref in task.ins:
-            if ref[0] == "inv":
-                groups[ref[1]].add(stage_group[task.key[1]])
-    for ref, key in zip(split.body_outputs, host):
-        if ref[0] == "inv":
-            groups[ref[1]].add(stage_group[key[1]])
-    out_groups = tuple(stage_group[key[1]] for key in host)
-    return LoopPlacement(stage_group, host, tuple(frozenset(g) for g in groups), out_groups)
+    return Aval(tuple(aval.shape), np.dtype(aval.dtype).name, tuple(spec))
 
 
 @dataclasses.dataclass
@@ -110,16 +85,15 @@ class LoopTasks:
 
 
 def _keys_of(task_type: TaskType, stage: int, partial: bool) -> list[TaskKey]:
-    if task_type is TaskType.FWD:
-        return [(FWD, stage)]
-    if task_type is TaskType.BWD:
-        return [(BWD_I, stage), (BWD_W, stage)] if partial else [(BWD, stage)]
-    if not partial:
+    """The split body's task keys that one schedule task of `stage` runs."""
+    if task_type is TaskType.BWD and partial:
+        return [(TaskType.BWD_I, stage), (TaskType.BWD_W, stage)]
+    if task_type in (TaskType.BWD_I, TaskType.BWD_W) and not partial:
         raise CompileError(
             f"the schedule lists a split backward task ({task_type.value} of stage "
             f"{stage}) but says is_partial_bwd=False"
         )
-    return [(BWD_I if task_type is TaskType.BWD_I else BWD_W, stage)]
+    return [(task_type, stage)]
 
 
 def _schedule_order(
@@ -151,11 +125,12 @@ def _schedule_order(
                     seen.add((key, task.microbatch))
                     mine.append((key, task.microbatch))
         order.append(mine)
-    missing = [(key, m) for key in sorted(present) for m in range(n) if (key, m) not in seen]
+    by_letter = sorted(present, key=lambda key: (key[0].value, key[1]))
+    missing = [(key, m) for key in by_letter for m in range(n) if (key, m) not in seen]
     if missing:
         (kind, stage), m = missing[0]
         raise CompileError(
-            f"{schedule!r} with {n} microbatches never runs {kind} of stage {stage} for "
+            f"{schedule!r} with {n} microbatches never runs {kind.value} of stage {stage} for "
             f"microbatch {m} ({len(missing)} task(s) missing)"
         )
     return order
@@ -200,7 +175,7 @@ def _task_fn(task: TaskJaxpr, export: Sequence[int], sources: Sequence[tuple],
 
 def build_loop_tasks(
     split: SplitBody,
-    placement: LoopPlacement,
+    homes: LoopHomes,
     schedule: BaseSchedule,
     num_microbatches: int,
     ops: Sequence[Op],
@@ -212,7 +187,7 @@ def build_loop_tasks(
 
     Args:
       split: the split body.
-      placement: from `place_loop`.
+      homes: from `assign_loop_homes`.
       schedule: the loop's schedule.
       num_microbatches: n.
       ops: one Op per body output.
@@ -228,12 +203,12 @@ def build_loop_tasks(
         task of the split body exactly once on the stage's group.
     """
     n = num_microbatches
-    num_groups = 1 + max(placement.stage_group)
-    order = _schedule_order(split, schedule, n, placement.stage_group)
+    num_groups = 1 + max(homes.stage_group)
+    order = _schedule_order(split, schedule, n, homes.stage_group)
     by_key = {t.key: t for t in split.tasks}
     read_by_tasks = {ref[1] for t in split.tasks for ref in t.ins if ref[0] == "val"}
     hosted: dict[TaskKey, list[int]] = {}
-    for k, key in enumerate(placement.host):
+    for k, key in enumerate(homes.host):
         hosted.setdefault(key, []).append(k)
     result = LoopTasks([[] for _ in range(num_groups)], [{} for _ in range(num_groups)], {}, {})
     for name, aval in split.value_avals.items():
@@ -272,7 +247,7 @@ def build_loop_tasks(
             export = [j for j, name in enumerate(task.outs) if name in read_by_tasks]
             first = bool(ks) and runs[key][0] == m
             last = bool(ks) and runs[key][-1] == m
-            exe = f"{kind}{stage}" + ("_first" if first else "")
+            exe = f"{kind.value}{stage}" + ("_first" if first else "")
             ins = [mb_value(m, g) if ref[0] == "mb" else inv_value(ref[1], g)
                    if ref[0] == "inv" else f"{ref[1]}@{m}" for ref in task.ins]
             ins += extra_ins
@@ -284,7 +259,7 @@ def build_loop_tasks(
             for k, v in zip(ks, states_out):
                 result.avals[v] = acc_avals[k]
             result.tasks[g].append(TaskNode(
-                task_label(Task(stage, m, TaskType(kind))), g, exe, (*ins, *states_in),
+                task_label(Task(stage, m, kind)), g, exe, (*ins, *states_in),
                 (*(f"{task.outs[j]}@{m}" for j in export), *states_out),
                 donate=tuple(states_in),
             ))

@@ -1,8 +1,8 @@
 """Outer pass: the eqns around the loop become per-group segments (one executable each).
 
 Note: outer segments.
-  Following the OuterPlan, group g runs:
-  - `pre`: every free eqn placed on g, pre-loop or post-loop (a free eqn reads step
+  Following the OuterHomes (`Note: outer homes`), group g runs:
+  - `pre`: every free eqn that runs on g, pre-loop or post-loop (a free eqn reads step
     inputs only, so it can run before the loop), in step order;
   - `post<l>` for l = 0, 1, ...: the homed eqns whose home is g at *level* l. An eqn's
     level is the largest over its operands of the producer's level, plus one when the
@@ -22,16 +22,24 @@ from collections.abc import Collection
 
 from jax.extend import core as jex_core
 
+from jaxpp_mpi._src.compiler.homes import OuterHomes
 from jaxpp_mpi._src.compiler.jaxpr_util import new_jaxpr
 from jaxpp_mpi._src.compiler.loop_tasks import Exe
-from jaxpp_mpi._src.compiler.placement import OuterPlan
 from jaxpp_mpi._src.compiler.task_graph import Value
 
-__all__ = ["OuterNames", "Segment", "outer_segments", "segment_exe", "segment_exports"]
+__all__ = [
+    "OuterNames", "Segment", "input_value", "outer_segments", "segment_exe",
+    "segment_exports",
+]
 
 
 def _is_var(x) -> bool:
     return isinstance(x, jex_core.Var) and not isinstance(x, (jex_core.Literal, jex_core.DropVar))
+
+
+def input_value(k: int) -> Value:
+    """The value name of flat step input `k` (one value, on its owner)."""
+    return f"in{k}"
 
 
 class OuterNames:
@@ -39,10 +47,10 @@ class OuterNames:
 
     A step input k is `in<k>` (one value, on its owner); a variable homed on one group
     (a loop output or a homed eqn's result) is `x<i>`; a variable of a free eqn is
-    `x<i>g<g>` on each group g that computes it.
+    `x<i>g<g>` on each group g that computes it. Dropped loop outputs are not named.
     """
 
-    def __init__(self, jaxpr: jex_core.Jaxpr, loop_index: int, plan: OuterPlan,
+    def __init__(self, jaxpr: jex_core.Jaxpr, loop_index: int, homes: OuterHomes,
                  loop_out_groups: tuple[int, ...]):
         self.input_index = {v: k for k, v in enumerate(jaxpr.invars)}
         self.ids: dict = {}
@@ -55,29 +63,48 @@ class OuterNames:
                 self.ids[v] = len(self.ids)
                 if k == loop_index:
                     self.home[v] = loop_out_groups[eqn.outvars.index(v)]
-                elif k in plan.homed:
-                    self.home[v] = plan.eqn_groups[k][0]
+                elif k in homes.homed:
+                    self.home[v] = homes.eqn_groups[k][0]
                 else:
-                    self.free_groups[v] = frozenset(plan.eqn_groups.get(k, ()))
+                    self.free_groups[v] = frozenset(homes.eqn_groups.get(k, ()))
+
+    def defined(self) -> list:
+        """The variables the step's eqns define (in eqn order), each named here."""
+        return list(self.ids)
+
+    def groups(self, var) -> list[int]:
+        """The groups holding a value of `var`, an eqn's result: its home, or every
+        group computing it."""
+        return [self.home[var]] if var in self.home else sorted(self.free_groups[var])
 
     def value(self, var, group: int) -> Value:
         """The name of `var` as group `group` reads it."""
         if var in self.input_index:
-            return f"in{self.input_index[var]}"
+            return input_value(self.input_index[var])
         if var in self.home:
             return f"x{self.ids[var]}"
         if group not in self.free_groups[var]:
             raise AssertionError(f"internal: x{self.ids[var]} is not computed on group {group}")
         return f"x{self.ids[var]}g{group}"
 
-    def holder(self, var, plan_group: int) -> int:
-        """The group holding step output `var` (the plan's choice unless homed)."""
-        return self.home.get(var, plan_group)
+    def holder(self, var, output_group: int) -> int:
+        """The group holding step output `var`: its home, else `output_group` (the
+        group `assign_outer_homes` chose for the output)."""
+        return self.home.get(var, output_group)
 
 
 @dataclasses.dataclass
 class Segment:
-    """Consecutive outer eqns of one group, run as one executable."""
+    """Consecutive outer eqns of one group, run as one executable.
+
+    Attributes:
+      group: the group that runs it.
+      exe: its executable name (`pre`, `post<level>`).
+      eqns: its eqns, in step order.
+      in_vars: the variables it reads and does not define, in first-use order.
+      ins: their value names on `group`.
+      defined: the variables its eqns define.
+    """
 
     group: int
     exe: str
@@ -106,29 +133,38 @@ def _segment(group: int, exe: str, eqns: list, names: OuterNames) -> Segment:
 
 
 def outer_segments(
-    jaxpr: jex_core.Jaxpr, loop_index: int, plan: OuterPlan, names: OuterNames,
+    jaxpr: jex_core.Jaxpr, loop_index: int, homes: OuterHomes, names: OuterNames,
     num_groups: int,
 ) -> tuple[list[Segment | None], list[list[Segment]]]:
-    """The `pre` segment (or None) and the `post<l>` segments of every group.
+    """Cuts the eqns around the loop into per-group segments (`Note: outer segments`).
 
-    See `Note: outer segments`.
+    Args:
+      jaxpr: the step's jaxpr (top level, one loop eqn).
+      loop_index: index of the loop eqn in `jaxpr.eqns`.
+      homes: from `assign_outer_homes`.
+      names: the value names of the step's variables.
+      num_groups: the number of MPMD groups.
+
+    Returns:
+      Per group, its `pre` segment (None when it runs no free eqn), and per group its
+      `post<l>` segments by ascending level.
     """
     eqns = jaxpr.eqns
     pre: list[Segment | None] = []
     for g in range(num_groups):
         mine = [e for k, e in enumerate(eqns)
-                if k != loop_index and k not in plan.homed and g in plan.eqn_groups.get(k, ())]
+                if k != loop_index and k not in homes.homed and g in homes.eqn_groups.get(k, ())]
         pre.append(_segment(g, "pre", mine, names) if mine else None)
     level: dict[int, int] = {}
     producer = {v: k for k, e in enumerate(eqns) for v in e.outvars if _is_var(v)}
     by_level: dict[tuple[int, int], list] = {}
-    for k in sorted(plan.homed):
-        g = plan.eqn_groups[k][0]
+    for k in sorted(homes.homed):
+        g = homes.eqn_groups[k][0]
         lvl = 0
         for v in eqns[k].invars:
             p = producer.get(v) if _is_var(v) else None
-            if p is not None and p in plan.homed:
-                lvl = max(lvl, level[p] + (plan.eqn_groups[p][0] != g))
+            if p is not None and p in homes.homed:
+                lvl = max(lvl, level[p] + (homes.eqn_groups[p][0] != g))
         level[k] = lvl
         by_level.setdefault((g, lvl), []).append(eqns[k])
     post: list[list[Segment]] = [[] for _ in range(num_groups)]
@@ -138,12 +174,30 @@ def outer_segments(
 
 
 def segment_exports(seg: Segment, names: OuterNames, read: Collection[Value]) -> list:
-    """The variables `seg` defines that some task or the step's result reads."""
+    """The variables `seg` defines that some task or the step's result reads.
+
+    Args:
+      seg: a segment.
+      names: the value names of the step's variables.
+      read: every value a task or the step's result reads.
+
+    Returns:
+      The variables to export, in definition order.
+    """
     return [v for v in seg.defined if names.value(v, seg.group) in read]
 
 
 def segment_exe(seg: Segment, export: list, donate_argnums: tuple[int, ...] = ()) -> Exe:
-    """The executable of `seg`: its inputs -> the `export` variables."""
+    """The executable of `seg`.
+
+    Args:
+      seg: a segment.
+      export: the variables it returns (from `segment_exports`).
+      donate_argnums: which of its inputs it may donate.
+
+    Returns:
+      The Exe mapping the values of `seg.in_vars` to those of `export`.
+    """
     jaxpr = new_jaxpr(seg.in_vars, export, seg.eqns, name=f"{seg.task_name} segment")
     run = jex_core.jaxpr_as_fun(jex_core.ClosedJaxpr(jaxpr, []))
 

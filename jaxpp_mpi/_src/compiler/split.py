@@ -34,10 +34,14 @@ from jax.extend import core as jex_core
 from jaxpp_mpi._src.compiler.inline import inline_marked_calls
 from jaxpp_mpi._src.compiler.jaxpr_util import new_jaxpr
 from jaxpp_mpi._src.errors import CompileError
+from jaxpp_mpi._src.schedules.tasks import TaskType
 from jaxpp_mpi._src.stage_marks import is_stage_end
 
-FWD, BWD, BWD_I, BWD_W = "F", "B", "I", "W"
-TaskKey = tuple[str, int]  # (kind, stage)
+__all__ = ["SplitBody", "SplitError", "TaskJaxpr", "TaskKey", "ValueRef", "split_body"]
+
+# The task kinds are the schedules' (`schedules/tasks.py`); short local names.
+FWD, BWD, BWD_I, BWD_W = TaskType.FWD, TaskType.BWD, TaskType.BWD_I, TaskType.BWD_W
+TaskKey = tuple[TaskType, int]  # (kind, stage)
 # A task input: ("mb",) the microbatch index, ("inv", j) loop invariant j, or
 # ("val", name) a value produced by another task of the same microbatch.
 ValueRef = tuple
@@ -49,7 +53,14 @@ class SplitError(CompileError):
 
 @dataclasses.dataclass(frozen=True)
 class TaskJaxpr:
-    """One stage task of one microbatch: `jaxpr(*ins) -> outs`."""
+    """One stage task of one microbatch: `jaxpr(*ins) -> outs`.
+
+    Attributes:
+      key: (kind, stage).
+      jaxpr: the task's closed jaxpr (no constants).
+      ins: what each jaxpr input is (see `ValueRef`).
+      outs: the names of the values it exports, one per jaxpr output.
+    """
 
     key: TaskKey
     jaxpr: jex_core.ClosedJaxpr
@@ -231,7 +242,9 @@ def split_body(
       The SplitBody.
 
     Raises:
-      SplitError: when the marks do not match `num_stages`.
+      SplitError: the marks do not match `num_stages`, or a forward mark's result
+        does not reach the body's outputs.
+      InlineError: a mark inside control flow or a custom-derivative function.
     """
     jaxpr = inline_marked_calls(body.jaxpr)
     if body.consts:
@@ -247,6 +260,7 @@ def split_body(
 
 
 def _task_order(num_stages: int) -> list[TaskKey]:
+    """Every task key in a valid sequential order for one microbatch."""
     order = [(FWD, s) for s in range(num_stages)]
     for s in reversed(range(num_stages)):
         order += [(BWD, s), (BWD_I, s), (BWD_W, s)]
@@ -254,6 +268,7 @@ def _task_order(num_stages: int) -> list[TaskKey]:
 
 
 def _build_tasks(jaxpr, eqns, where, num_stages: int) -> SplitBody:
+    """Names the body's values and cuts its eqns into tasks by `where` (None: free)."""
     names: dict = {}
     for v in jaxpr.invars[:1]:
         names[v] = ("mb",)
@@ -328,7 +343,7 @@ def _build_tasks(jaxpr, eqns, where, num_stages: int) -> SplitBody:
                     seen.add(v)
                     ins.append(v)
         outs = [v for e in body_eqns for v in e.outvars if v in used_elsewhere[key]]
-        closed = _closed(ins, outs, body_eqns, f"task {key[0]}{key[1]}")
+        closed = _closed(ins, outs, body_eqns, f"task {key[0].value}{key[1]}")
         tasks.append(TaskJaxpr(key, closed, tuple(names[v] for v in ins),
                                tuple(names[v][1] for v in outs)))
     body_outputs = tuple(

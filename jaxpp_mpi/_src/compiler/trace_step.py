@@ -89,7 +89,7 @@ def trace_step(fun: Callable, args: Sequence[Any], *, what: str = "the step") ->
         )
     index, loop = loops[0]
     # Literal loop operands (scalars JAX inlined) become constants like any other, so
-    # that every loop operand is a variable the placement can put on groups.
+    # that every loop operand is a variable the homes pass can put on groups.
     consts, constvars, invars = list(closed.consts), list(jaxpr.constvars), []
     for x in loop.invars:
         if isinstance(x, jex_core.Literal):

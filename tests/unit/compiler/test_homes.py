@@ -1,4 +1,4 @@
-"""Outer placement: optimizer updates, a global-norm clip and a tied weight."""
+"""Outer homes: optimizer updates, a global-norm clip and a tied weight."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpp_mpi import mark_stage_end, treduce
-from jaxpp_mpi._src.compiler.placement import place_outer
+from jaxpp_mpi._src.compiler.homes import assign_outer_homes
 from jaxpp_mpi._src.treduce import find_treduce_eqns
 
 
@@ -45,7 +45,7 @@ def plan_for(step, invariant_groups_of, *args):
     jaxpr, k, eqn = traced(step, *args)
     inv_groups = [invariant_groups_of(v) for v in eqn.invars]
     # loop outputs: losses (stage 1), grad w0 (stage 0), grad w1 (stage 1)
-    return jaxpr, k, eqn, place_outer(jaxpr, k, inv_groups, [1, 0, 1])
+    return jaxpr, k, eqn, assign_outer_homes(jaxpr, k, inv_groups, [1, 0, 1])
 
 
 def by_shape(jaxpr, eqn):
@@ -109,7 +109,7 @@ def test_pre_loop_cast_runs_on_every_group_that_needs_it():
             inv_groups.append(frozenset({1}))
         else:
             inv_groups.append(frozenset({0}))
-    plan = place_outer(jaxpr, k, inv_groups, [1, 0, 1])
+    plan = assign_outer_homes(jaxpr, k, inv_groups, [1, 0, 1])
     for v, i in pre_outs.items():
         if v.aval.shape == (4, 4):
             assert plan.eqn_groups[i] == (0, 1)

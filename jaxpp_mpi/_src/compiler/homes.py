@@ -1,10 +1,13 @@
-"""Placement pass: which groups run the step's pre- and post-loop eqns, own its inputs
-and hold its outputs.
+"""Homes pass: which group runs each part of the step and holds each of its values.
 
-Note: outer placement.
-  The loop decides where its values live: loop output k lives on the group of the task
-  that produces body output k; loop invariant j is needed on the groups of the tasks
-  that use it. Around the loop:
+Note: loop homes.
+  Stage s runs on group `schedule.get_mpmd_idx(s)`. Body output k is reduced by its
+  *host*, the task that produces it (invariants, literals and the microbatch index:
+  the last FWD task), so loop output k lives on the host's group. Loop operand j is
+  needed on the groups of the tasks that read it (or host it).
+
+Note: outer homes.
+  The loop decides where its values live (`Note: loop homes`). Around the loop:
   - a post-loop eqn with an operand that lives somewhere (a *homed* operand) runs on
     one group: the home of its largest homed operand (ties: the lowest group), so big
     values stay put and small ones (a norm, a loss) move; its results live there.
@@ -28,10 +31,65 @@ from collections.abc import Sequence
 import numpy as np
 from jax.extend import core as jex_core
 
+from jaxpp_mpi._src.compiler.split import FWD, SplitBody, TaskKey
+from jaxpp_mpi._src.schedules.library import BaseSchedule
+
+__all__ = ["LoopHomes", "OuterHomes", "assign_loop_homes", "assign_outer_homes"]
+
 
 @dataclasses.dataclass(frozen=True)
-class OuterPlan:
-    """Result of `place_outer`.
+class LoopHomes:
+    """Where the loop's stages, reductions, operands and results live.
+
+    The result of `assign_loop_homes` (see `Note: loop homes`).
+
+    Attributes:
+      stage_group: stage -> group.
+      host: per body output, the key of the task that reduces it.
+      invariant_groups: per loop operand, the groups whose tasks read it.
+      out_groups: per loop output, the group that holds it.
+    """
+
+    stage_group: tuple[int, ...]
+    host: tuple[TaskKey, ...]
+    invariant_groups: tuple[frozenset[int], ...]
+    out_groups: tuple[int, ...]
+
+
+def assign_loop_homes(
+    split: SplitBody, schedule: BaseSchedule, num_invariants: int
+) -> LoopHomes:
+    """Puts the loop's stages, reductions and operands on groups (`Note: loop homes`).
+
+    Args:
+      split: the split loop body.
+      schedule: the loop's schedule (its `get_mpmd_idx` maps stages to groups).
+      num_invariants: the number of loop operands.
+
+    Returns:
+      The LoopHomes.
+    """
+    stage_group = tuple(schedule.get_mpmd_idx(s) for s in range(split.num_stages))
+    last_fwd = (FWD, split.num_stages - 1)
+    host = tuple(split.value_task[ref[1]] if ref[0] == "val" else last_fwd
+                 for ref in split.body_outputs)
+    groups: list[set[int]] = [set() for _ in range(num_invariants)]
+    for task in split.tasks:
+        for ref in task.ins:
+            if ref[0] == "inv":
+                groups[ref[1]].add(stage_group[task.key[1]])
+    for ref, key in zip(split.body_outputs, host):
+        if ref[0] == "inv":
+            groups[ref[1]].add(stage_group[key[1]])
+    out_groups = tuple(stage_group[key[1]] for key in host)
+    return LoopHomes(stage_group, host, tuple(frozenset(g) for g in groups), out_groups)
+
+
+@dataclasses.dataclass(frozen=True)
+class OuterHomes:
+    """Which groups run the eqns around the loop, own the inputs and hold the outputs.
+
+    The result of `assign_outer_homes` (see `Note: outer homes`).
 
     Attributes:
       eqn_groups: for each outer eqn index except the loop's, the sorted groups that
@@ -59,13 +117,13 @@ def _nbytes(v) -> int:
     return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
 
 
-def place_outer(
+def assign_outer_homes(
     jaxpr: jex_core.Jaxpr,
     loop_index: int,
     invariant_groups: Sequence[frozenset[int]],
     loop_out_groups: Sequence[int],
-) -> OuterPlan:
-    """Places the eqns around the loop (see Note: outer placement).
+) -> OuterHomes:
+    """Puts the eqns around the loop on groups (see `Note: outer homes`).
 
     Args:
       jaxpr: the step's jaxpr (top level, one loop eqn).
@@ -74,7 +132,7 @@ def place_outer(
       loop_out_groups: per loop output, the group that produces it.
 
     Returns:
-      The OuterPlan.
+      The OuterHomes.
     """
     eqns = jaxpr.eqns
     loop = eqns[loop_index]
@@ -133,5 +191,5 @@ def place_outer(
             output_group.append(owners[invars.index(v)])
         else:
             output_group.append(0)
-    return OuterPlan(eqn_groups, tuple(owners), tuple(needs), tuple(output_group),
+    return OuterHomes(eqn_groups, tuple(owners), tuple(needs), tuple(output_group),
                      frozenset(eqn_home))
