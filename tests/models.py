@@ -175,3 +175,23 @@ def bits(x) -> np.ndarray:
     """The raw bits of `x` as unsigned integers (compare NaN payloads and -0.0 too)."""
     x = np.asarray(x)
     return x.view(np.dtype(f"u{x.dtype.itemsize}"))
+
+
+def megatron_specs(model: str, params, batch):
+    """`(param specs, batch specs)` splitting weights Megatron-style over "model"
+    (column-split first linear, row-split second) and the batch rows over "data".
+
+    For `mlp`, even layers are column-split and odd ones row-split; for `transformer`,
+    each block's qkv and up projections are column-split and proj and down row-split.
+    """
+    from jax.sharding import PartitionSpec as P
+
+    column, row = P(None, "model"), P("model", None)
+    if model == "mlp":
+        pspecs = [(column, P("model")) if i % 2 == 0 else (row, P())
+                  for i in range(len(params))]
+        return pspecs, (P(None, "data"), P(None, "data"))
+    pspecs = jax.tree.map(lambda _: P(), params)
+    for block in pspecs["blocks"]:
+        block.update(qkv=column, up=column, proj=row, down=row)
+    return pspecs, jax.tree.map(lambda _: P(None, "data"), batch)

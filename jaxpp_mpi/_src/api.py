@@ -45,6 +45,7 @@ from jaxpp_mpi._src.compiled import MpmdCompiled
 from jaxpp_mpi._src.compiler.build import StepPlan, build_step
 from jaxpp_mpi._src.errors import CompileError
 from jaxpp_mpi._src.mesh import MpmdMesh
+from jaxpp_mpi._src.retarget import trace_mesh
 from jaxpp_mpi._src.types import Comm, PyTree
 
 # MpmdCompiled is re-exported: `jaxpp_mpi._src.api.MpmdCompiled` stays importable.
@@ -97,7 +98,7 @@ class MpmdFunction:
         """
         key, error = None, None
         try:
-            key = signature(args)
+            key = self._placed(signature(args))
         except TypeError as e:
             error = e
         else:
@@ -114,10 +115,35 @@ class MpmdFunction:
         agree.agree_on_program(plan.program, comm)
         # Everything is compiled when this returns: its allgather is the barrier before
         # this rank's first message (DESIGN.md §7).
-        compiled = agree.run(lambda: MpmdCompiled(plan, mesh, key[0]), comm,
-                             _ranks_failed(name, "to compile it"), own="if_all")
+        # Each executable is compiled for its group's devices, whatever mesh the caller
+        # has set (`jax.set_mesh`) around the call.
+        with jax.set_mesh(None):
+            compiled = agree.run(lambda: MpmdCompiled(plan, mesh, key[0]), comm,
+                                 _ranks_failed(name, "to compile it"), own="if_all")
         self._cache[key] = compiled
         return compiled
+
+    def _placed(self, key: tuple) -> tuple:
+        """The signature `key` with each leaf's spec as the step places it: the spec of
+        its `in_shardings` entry where there is one (an array arriving in another layout
+        is moved to it), so feeding results back hits the cache whatever their layout."""
+        if self._in_shardings is None:
+            return key
+        tree, sig = key
+        try:
+            specs = [spec_entries(s, "in_shardings")
+                     for s in per_leaf(self._in_shardings, tree, "in_shardings")]
+        except (TypeError, ValueError):
+            return key  # `_plan` rejects it on every rank
+        placed = []
+        for entry, spec in zip(sig, specs):
+            if spec is not None:
+                spec = list(spec)
+                while spec and spec[-1] is None:
+                    spec.pop()
+                entry = (*entry[:3], tuple(spec))
+            placed.append(entry)
+        return tree, tuple(placed)
 
     def _plan(self, args: tuple, key: tuple, name: str) -> StepPlan:
         """Traces, splits and schedules the step for `args` (signature `key`)."""
@@ -145,12 +171,13 @@ class MpmdFunction:
             donate += [i in self._donate_argnums] * len(jax.tree.leaves(a))
         out_specs = None
         if self._out_shardings is not None:
-            out_tree = jax.tree.structure(jax.eval_shape(self.fun, *abstract_args))
+            with jax.sharding.use_abstract_mesh(trace_mesh(mesh.jax_mesh)):  # as traced
+                out_tree = jax.tree.structure(jax.eval_shape(self.fun, *abstract_args))
             out_specs = [spec_entries(s, "out_shardings")
                          for s in per_leaf(self._out_shardings, out_tree, "out_shardings")]
         start = time.perf_counter()
         plan = build_step(self.fun, abstract_args, mesh.mpmd_dim, in_specs=in_specs,
-                          out_specs=out_specs, donate=donate, what=f"{name}")
+                          out_specs=out_specs, donate=donate, what=f"{name}", mesh=mesh)
         if out_specs is not None:
             out_paths = paths(jax.tree.unflatten(plan.out_tree, plan.output_avals))
             for k, (spec, aval) in enumerate(zip(out_specs, plan.output_avals)):

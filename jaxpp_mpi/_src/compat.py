@@ -20,7 +20,7 @@ from jax.extend import core as jex_core
 from jax.extend import linear_util as lu
 from jax.interpreters import partial_eval as pe
 
-__all__ = ["jax_backends_initialized", "trace_closure_converted"]
+__all__ = ["jax_backends_initialized", "mesh_spec", "trace_closure_converted"]
 
 
 def trace_closure_converted(
@@ -77,3 +77,25 @@ def jax_backends_initialized() -> bool:
     from jax._src import xla_bridge
 
     return xla_bridge.backends_are_initialized()
+
+
+def mesh_spec(sharding: jax.sharding.Sharding, mesh: jax.sharding.Mesh
+              ) -> jax.sharding.PartitionSpec | None:
+    """The PartitionSpec over `mesh` that lays a value out as `sharding` does, or None.
+
+    Why `jax._src.sharding_impls`: a compiled executable reports the layouts XLA chose
+    for unconstrained results as `GSPMDSharding`s (a device tile assignment) when its
+    propagation did not start from a mesh axis name; `parse_flatten_op_sharding` is
+    JAX's own reading of such a tile assignment as mesh axes, with no public equivalent.
+    """
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        return sharding.spec
+    from jax._src import sharding_impls
+
+    hlo = getattr(sharding, "_hlo_sharding", None)
+    if hlo is None:
+        return None
+    try:
+        return sharding_impls.parse_flatten_op_sharding(hlo, mesh)[0]
+    except (NotImplementedError, AssertionError, ValueError):
+        return None

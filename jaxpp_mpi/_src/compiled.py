@@ -13,8 +13,10 @@ Note: calling a compiled step.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -23,12 +25,15 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from jaxpp_mpi._src import agree, compat
 from jaxpp_mpi._src.arguments import paths
 from jaxpp_mpi._src.array import MpmdArray, MpmdSharding, mpmd_array_from_local
 from jaxpp_mpi._src.compiler.build import StepPlan
+from jaxpp_mpi._src.errors import CompileError
+from jaxpp_mpi._src.ir.layouts import LayoutError, donation_pairs, infer_layouts
 from jaxpp_mpi._src.ir.program import Aval, GroupProgram, Program, Run
 from jaxpp_mpi._src.mesh import MpmdMesh
-from jaxpp_mpi._src.types import PyTree
+from jaxpp_mpi._src.types import PyTree, Spec
 
 if TYPE_CHECKING:
     from jaxpp_mpi._src.compiler.loop_tasks import Exe
@@ -44,24 +49,45 @@ _REPORT_EVERY_S = 5.0
 
 
 def compile_exe(exe: Exe, in_avals: Sequence[Aval], out_avals: Sequence[Aval],
-                sharding: Callable[[Aval], jax.sharding.Sharding]) -> jax.stages.Compiled:
+                sharding: Callable[[Aval], jax.sharding.Sharding],
+                free: Sequence[bool] = ()) -> jax.stages.Compiled:
     """AOT-compiles one executable for one group, every buffer laid out as its Aval says.
 
     Args:
       exe: the executable.
       in_avals: its input avals; out_avals: its output avals.
       sharding: Aval -> the sharding of such a value on the group.
+      free: per output, True where XLA chooses its layout (`Note: layouts`); the
+        compiled executable's `output_shardings` say what it chose.
 
     Returns:
       A `jax.stages.Compiled`: called with the input arrays, it returns the outputs.
     """
     in_sh = tuple(sharding(a) for a in in_avals)
-    out_sh = tuple(sharding(a) for a in out_avals)
+    out_sh = tuple(None if j < len(free) and free[j] else sharding(a)
+                   for j, a in enumerate(out_avals))
     structs = [jax.ShapeDtypeStruct(a.shape, np.dtype(a.dtype), sharding=s)
                for a, s in zip(in_avals, in_sh)]
     jitted = jax.jit(exe.fn, in_shardings=in_sh, out_shardings=out_sh,
                      donate_argnums=exe.donate_argnums)
     return jitted.lower(*structs).compile()
+
+
+def _spec(spec: PartitionSpec) -> Spec:
+    """A compiled executable's PartitionSpec as program spec entries (`Aval.spec`)."""
+    entries = []
+    for e in spec:
+        if isinstance(e, tuple):
+            e = e[0] if len(e) == 1 else (e or None)
+        entries.append(e)
+    return tuple(entries)
+
+
+def _compile_failed(failed: list[int], messages: Sequence[str | None]) -> CompileError:
+    """The error every rank raises when some ranks failed to compile their executables
+    while the ranks were agreeing on layouts."""
+    return CompileError(f"rank(s) {failed} failed to compile their executables: "
+                        f"{messages[failed[0]]}")
 
 
 def _flops(exe: jax.stages.Compiled) -> float:
@@ -83,11 +109,15 @@ class MpmdCompiled:
     """
 
     def __init__(self, plan: StepPlan, mesh: MpmdMesh, in_tree: jax.tree_util.PyTreeDef):
-        self.plan = plan
         self.mesh = mesh
         self._in_tree = in_tree
         self._shardings: dict[tuple[int, Aval], NamedSharding] = {}
         self._auto_meshes: dict[int, Mesh] = {}
+        self._executables: list[dict[str, jax.stages.Compiled]] = [
+            {} for _ in range(plan.num_groups)]
+        if math.prod(mesh.group_shape.values()) > 1:
+            plan = self._infer_layouts(plan)
+        self.plan = plan
         n_consts = len(plan.consts)
         in_sh = []
         for k in range(n_consts, n_consts + plan.num_args):
@@ -101,7 +131,6 @@ class MpmdCompiled:
         self.out_shardings = jax.tree.unflatten(plan.out_tree, out_sh)
         self._out_sh = out_sh
         self._local_holders = [sh.local_mesh_ids for sh in out_sh]
-        self._executables: list[dict[str, jax.stages.Compiled]] = []
         self._executor = self._make_executor()
         self._fixed = self._fixed_inputs()
 
@@ -189,7 +218,8 @@ class MpmdCompiled:
         mine = {}
         for k, (name, exe) in enumerate(exes.items(), 1):
             ins, outs = plan.exe_avals[g][name]
-            mine[name] = compile_exe(exe, ins, outs, functools.partial(self.sharding, g))
+            mine[name] = self._executables[g].get(name) or compile_exe(
+                exe, ins, outs, functools.partial(self.sharding, g))
             now = time.perf_counter()
             if report and k < len(exes) and now - last >= _REPORT_EVERY_S:
                 logger.info("group %d: %d/%d compiled, %.1f s", g, k, len(exes), now - start)
@@ -198,6 +228,63 @@ class MpmdCompiled:
             logger.info("group %d: %d/%d executables compiled in %.1f s", g, len(exes),
                         len(exes), time.perf_counter() - start)
         return mine
+
+    def _infer_layouts(self, plan: StepPlan) -> StepPlan:
+        """Runs the layout pass (`Note: layouts`), compiling this process's executables
+        on the way; returns the plan whose program, executables and outputs carry the
+        layouts."""
+        mesh = self.mesh
+
+        def resolve(g: int, name: str, ins: tuple[Aval, ...], outs: tuple[Aval, ...],
+                    fixed: tuple[bool, ...]) -> tuple[Spec, ...]:
+            sharding = functools.partial(self.sharding, g)
+            exe = compile_exe(plan.exes[g][name], ins, outs, sharding,
+                              free=[not f for f in fixed])
+            mesh_of = self._auto_mesh(g)
+            chosen = [compat.mesh_spec(sh, mesh_of) for sh in exe.output_shardings]
+            if any(spec is None for spec in chosen):  # not a mesh layout: replicate it
+                outs = tuple(a if spec is None else dataclasses.replace(a, spec=_spec(spec))
+                             for a, spec in zip(outs, chosen))
+                exe = compile_exe(plan.exes[g][name], ins, outs, sharding)
+                chosen = [sh.spec for sh in exe.output_shardings]
+            self._executables[g][name] = exe
+            return tuple(_spec(spec) for spec in chosen)
+
+        exchange = None
+        if not mesh.is_local:
+            def exchange(mine):
+                error = mine if isinstance(mine, Exception) else None
+                gathered = agree.allgather_or_raise(
+                    None if error else mine, error, mesh.comm, _compile_failed, own="if_all")
+                return {k: v for layouts in gathered for k, v in layouts.items()}
+
+        fixed = {k: a.spec for k, (a, f) in enumerate(zip(plan.output_avals,
+                                                           plan.output_fixed)) if f}
+        args = plan.input_avals[len(plan.consts):len(plan.consts) + plan.num_args]
+        argnums = [k for k, d in enumerate(plan.donated) if d]
+        for k, i in donation_pairs(args, plan.output_avals, argnums).items():
+            fixed.setdefault(k, args[i].spec)
+        donated = {(g, name): exe.donate_argnums for g, exes in enumerate(plan.exes)
+                   for name, exe in exes.items() if exe.donate_argnums}
+        try:
+            program, layouts = infer_layouts(
+                plan.program, resolve, local_groups=mesh.local_groups, fixed_outputs=fixed,
+                donated=donated, exchange=exchange)
+        except LayoutError as e:
+            raise CompileError(f"the step's layouts: {e}") from e
+        exe_avals = tuple(
+            {name: (tuple(dataclasses.replace(a, spec=s)
+                          for a, s in zip(ins, layouts[(g, name)].ins)),
+                    tuple(dataclasses.replace(a, spec=s)
+                          for a, s in zip(outs, layouts[(g, name)].outs)))
+             for name, (ins, outs) in group.items()}
+            for g, group in enumerate(plan.exe_avals))
+        output_avals = list(plan.output_avals)
+        for g in program.groups:
+            for b, k in g.outputs:
+                output_avals[k] = g.aval(b)
+        return dataclasses.replace(plan, program=program, exe_avals=exe_avals,
+                                   output_avals=tuple(output_avals))
 
     def _make_executor(self) -> LocalExecutor | MpiExecutor:
         """Compiles the executables of this process's groups; returns the executor that
@@ -287,7 +374,8 @@ class MpmdCompiled:
         inputs = list(self._fixed)
         for j, x in enumerate(leaves):
             inputs[n_consts + j] = self._arg_for_owner(x, n_consts + j)
-        replicas = self._executor.run_replicas(inputs)
+        with jax.set_mesh(None):  # the executables run on their groups' devices
+            replicas = self._executor.run_replicas(inputs)
         outs = []
         for k, (desc, aval) in enumerate(zip(plan.outputs, plan.output_avals)):
             sharding = self._out_sh[k]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 from collections.abc import Callable, Collection, Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from jax.extend import core as jex_core
 
@@ -34,6 +34,9 @@ from jaxpp_mpi._src.compiler.trace_step import trace_step
 from jaxpp_mpi._src.errors import CompileError
 from jaxpp_mpi._src.ir.program import Aval, Program
 from jaxpp_mpi._src.types import Spec
+
+if TYPE_CHECKING:
+    from jaxpp_mpi._src.mesh import MpmdMesh
 
 __all__ = ["StepPlan", "build_step"]
 
@@ -57,6 +60,9 @@ class StepPlan:
       outputs: per flat step output, ("val", group) when the program produces it, or
         ("lit", value) for a constant result.
       output_avals: per flat step output, its Aval.
+      output_fixed: per flat step output, whether its spec is the user's
+        (`out_shardings`) rather than left to the producer (`Note: layouts`).
+      donated: per flat argument, whether the user lets the step reuse its buffer.
       out_tree: the result's pytree structure.
     """
 
@@ -71,6 +77,8 @@ class StepPlan:
     mb_inputs: tuple[tuple[int, int, int], ...]
     outputs: tuple[tuple, ...]
     output_avals: tuple[Aval, ...]
+    output_fixed: tuple[bool, ...]
+    donated: tuple[bool, ...]
     out_tree: Any
 
     @property
@@ -218,9 +226,46 @@ def _donated_argnums(
     return tuple(picked)
 
 
+_StepIndex = tuple[dict[Value, int], dict[Value, int]]  # (argument index, result index)
+
+
+def _pair_like_jit(ins: Sequence[Value], outs: Sequence[Value], argnums: Sequence[int],
+                   step_index: _StepIndex, avals: dict[Value, Aval]) -> list[int]:
+    """The segment's results reordered so that JAX pairs each donated argument with the
+    result the step returns for it, as `jax.jit` of the whole step would.
+
+    JAX gives a result the first donated argument (in argument order) of its shape and
+    dtype, in result order. For the whole step that pairs a donated parameter with its
+    update (steps return their state in the order they take it); a segment's own order
+    need not, so the results the step returns go first, ordered by the argument the
+    step-level pairing gives them (`Note: layouts`: a donated argument's result keeps
+    its layout).
+
+    Args:
+      ins: the segment's inputs; outs: its results; argnums: its donated inputs.
+      step_index: the flat index of each step input value and each step result value.
+      avals: the aval of every value.
+
+    Returns:
+      A permutation of `range(len(outs))`.
+    """
+    key = lambda v: (avals[v].shape, avals[v].dtype)
+    arg_of, result_of = step_index
+    donated = sorted((arg_of[ins[j]], j) for j in argnums if ins[j] in arg_of)
+    paired: dict[int, int] = {}  # result position -> donated argnum
+    for _, i in sorted((result_of[v], i) for i, v in enumerate(outs) if v in result_of):
+        match = next(((k, j) for k, j in donated if key(ins[j]) == key(outs[i])), None)
+        if match is not None:
+            donated.remove(match)
+            paired[i] = match[1]
+    first = sorted(paired, key=paired.__getitem__)
+    return first + [i for i in range(len(outs)) if i not in paired]
+
+
 def _group_tasks(
     order: Sequence[Segment | TaskNode], group: int, names: OuterNames,
     read: Collection[Value], donatable: Collection[Value], avals: dict[Value, Aval],
+    step_index: _StepIndex,
 ) -> tuple[list[TaskNode], dict[str, Exe]]:
     """Turns one group's segments into tasks and executables.
 
@@ -235,6 +280,7 @@ def _group_tasks(
       read: every value a task or the step's result reads.
       donatable: the step inputs the user lets go that are not step results.
       avals: the aval of every value.
+      step_index: the flat index of each step input and step result value.
 
     Returns:
       The group's tasks in run order, and the executables of its segments.
@@ -247,6 +293,9 @@ def _group_tasks(
             outs = [names.value(v, group) for v in export]
             free = [v for v in item.ins if v in donatable and v not in later]
             argnums = _donated_argnums(item.ins, outs, free, avals)
+            if argnums:
+                perm = _pair_like_jit(item.ins, outs, argnums, step_index, avals)
+                export, outs = [export[i] for i in perm], [outs[i] for i in perm]
             node = TaskNode(item.task_name, group, item.exe, item.ins, outs,
                             donate=tuple(item.ins[j] for j in argnums))
             done.append((node, segment_exe(item, export, argnums)))
@@ -294,6 +343,7 @@ def build_step(
     out_specs: Sequence[Spec | None] | None = None,
     donate: Sequence[bool] | None = None,
     what: str = "the step",
+    mesh: MpmdMesh | None = None,
 ) -> StepPlan:
     """Compiles `fun(*args)` into a StepPlan for `num_groups` MPMD groups.
 
@@ -305,6 +355,7 @@ def build_step(
       out_specs: per flat result, its in-group spec entries (None: replicated).
       donate: per flat argument, whether its buffer may be reused.
       what: the step's name for messages.
+      mesh: the mesh: the step is traced under it (see `trace_step`).
 
     Returns:
       The StepPlan.
@@ -313,7 +364,7 @@ def build_step(
       CompileError: the step cannot be pipelined (no loop, two loops, a stage count
         the schedule does not have, a microbatch count it rejects, ...).
     """
-    traced = trace_step(fun, args, what=what)
+    traced = trace_step(fun, args, what=what, mesh=mesh)
     jaxpr, loop, loop_index = traced.jaxpr, traced.loop, traced.loop_index
     params = loop.params
     schedule, n = params["schedule"], params["num_microbatches"]
@@ -339,13 +390,16 @@ def build_step(
     # Each group runs its pre segment, its loop tasks, then its post segments by level.
     orders = [([pre[g]] if pre[g] else []) + lt.tasks[g] + post[g] for g in range(num_groups)]
     kept = {v for v, _ in outputs.values}
+    step_index = ({input_value(num_consts + k): k for k in range(num_args)},
+                  {v: k for v, k in reversed(outputs.values)})
     read = kept.union(*(item.ins for order in orders for item in order))
     donatable = {input_value(num_consts + k) for k in range(num_args)
                  if options.donate[k]} - kept
     tasks: list[list[TaskNode]] = []
     exes: list[dict[str, Exe]] = []
     for g, order in enumerate(orders):
-        group_tasks, segment_exes = _group_tasks(order, g, names, read, donatable, avals)
+        group_tasks, segment_exes = _group_tasks(order, g, names, read, donatable, avals,
+                                                 step_index)
         tasks.append(group_tasks)
         exes.append({**lt.exes[g], **segment_exes})
 
@@ -367,5 +421,7 @@ def build_step(
         mb_inputs=tuple(inputs.mb_inputs),
         outputs=tuple(outputs.descs),
         output_avals=tuple(outputs.avals),
+        output_fixed=tuple(spec is not None for spec in options.out_specs),
+        donated=tuple(options.donate),
         out_tree=traced.out_tree,
     )

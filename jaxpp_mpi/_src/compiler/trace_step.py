@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 from jax.extend import core as jex_core
@@ -12,7 +12,11 @@ from jax.extend import core as jex_core
 from jaxpp_mpi._src.compiler.inline import inline_calls
 from jaxpp_mpi._src.compiler.jaxpr_util import new_jaxpr
 from jaxpp_mpi._src.errors import CompileError
+from jaxpp_mpi._src.retarget import retarget_jaxpr, trace_mesh
 from jaxpp_mpi._src.treduce import find_treduce_eqns, nested_treduce_errors
+
+if TYPE_CHECKING:
+    from jaxpp_mpi._src.mesh import MpmdMesh
 
 __all__ = ["TracedStep", "trace_step"]
 
@@ -51,23 +55,53 @@ def _check_results(out_shape: Any, what: str) -> None:
             )
 
 
-def trace_step(fun: Callable, args: Sequence[Any], *, what: str = "the step") -> TracedStep:
+def _traced(fun: Callable, args: Sequence[Any], mesh: MpmdMesh | None,
+            what: str) -> tuple[jex_core.ClosedJaxpr, Any]:
+    """`jax.make_jaxpr(fun, return_shape=True)(*args)`, under `mesh` when given, with its
+    shardings retargeted to a group's mesh (see Note: sharding constraints)."""
+    if mesh is None:
+        return jax.make_jaxpr(fun, return_shape=True)(*args)
+    try:
+        with jax.sharding.use_abstract_mesh(trace_mesh(mesh.jax_mesh)):
+            closed, out_shape = jax.make_jaxpr(fun, return_shape=True)(*args)
+    except ValueError as e:
+        if "only refer to Auto axes" not in str(e):
+            raise
+        raise CompileError(
+            f"{what} calls with_sharding_constraint with a NamedSharding naming an "
+            "Explicit mesh axis, which JAX rejects; jaxpp_mpi traces the step under the "
+            "mesh with every axis Auto, so pass a bare PartitionSpec instead "
+            "(with_sharding_constraint(x, P('data'))), or build the mesh with "
+            f"axis_types=(AxisType.Auto, ...) (JAX said: {e})"
+        ) from e
+    jaxpr = retarget_jaxpr(closed.jaxpr, mesh.jax_mesh, mesh.mpmd_axis_name)
+    if jaxpr is not closed.jaxpr:
+        closed = jex_core.ClosedJaxpr(jaxpr, closed.consts)
+    return closed, out_shape
+
+
+def trace_step(fun: Callable, args: Sequence[Any], *, what: str = "the step",
+               mesh: MpmdMesh | None = None) -> TracedStep:
     """Traces `fun(*args)` and checks it holds one top-level treduce.
 
     Args:
       fun: the user's step.
       args: the arguments; leaves may be `jax.ShapeDtypeStruct`s.
       what: the function's name for messages.
+      mesh: the mesh the step is pipelined over: when given, the step is traced under
+        it and its sharding constraints are retargeted to a group's mesh (Note:
+        sharding constraints in retarget.py); without it, traced with no mesh.
 
     Returns:
       The TracedStep.
 
     Raises:
       CompileError: no treduce, several, or one that cannot be reached (inside lax
-        control flow); a result that is a typed PRNG key array.
+        control flow); a result that is a typed PRNG key array; a sharding
+        constraint no group can apply (see `retarget_jaxpr`).
       TypeError: a result that is not an array (from `jax.make_jaxpr`).
     """
-    closed, out_shape = jax.make_jaxpr(fun, return_shape=True)(*args)
+    closed, out_shape = _traced(fun, args, mesh, what)
     _check_results(out_shape, what)
     jaxpr = inline_calls(closed.jaxpr)
     nested = nested_treduce_errors(jaxpr)

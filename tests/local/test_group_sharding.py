@@ -1,0 +1,144 @@
+"""Every device of a group does its share: layouts through the pipeline (`Note: layouts`).
+
+Local mode, 2 groups of 2 or 4 CPU devices each (axes "data" and "model"). The references
+are independent of the pipeline: the per-device FLOPs of plain `jax.jit` of the same step
+on one group's mesh (XLA's cost analysis; one microbatch, so the reference has no loop,
+whose body XLA would count once), and the values of the step under plain `jax.jit` on one
+device.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+from models import (
+    SCHEDULES,
+    assert_close_to_reference,
+    make_step,
+    megatron_specs,
+    mlp,
+    run_steps,
+    schedule,
+    transformer,
+)
+
+import jaxpp_mpi as jp
+
+MODELS = {"mlp": mlp, "transformer": transformer}
+LAYOUTS = {"data": (2, 1), "model": (1, 2), "data_model": (2, 2)}
+
+
+@functools.cache
+def mpmd_mesh(data: int, model: int) -> jp.MpmdMesh:
+    mesh = jax.make_mesh((2, data, model), ("stage", "data", "model"),
+                         axis_types=(AxisType.Auto,) * 3)
+    return jp.MpmdMesh(mesh, "stage")
+
+
+def problem(model: str, sched: str, num_microbatches: int):
+    s = schedule(sched, 2)
+    params, batch, loss_fn = MODELS[model](s.num_stages, num_microbatches)
+    # Strongly typed, as results are: a weak-typed leaf would recompile (as in jax.jit).
+    params = jax.tree.map(lambda x: jax.numpy.asarray(np.asarray(x)), params)
+    step, optimizer = make_step(loss_fn, s)
+    pspecs, bspecs = megatron_specs(model, params, batch)
+    return step, optimizer, params, batch, (pspecs, bspecs)
+
+
+def flops(compiled) -> float:
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return float(cost["flops"])
+
+
+@functools.cache
+def compiled_pair(model: str, layout: str):
+    """(pipelined compiled step, jax.jit of the same step on one group's mesh), one
+    microbatch, Megatron layouts."""
+    data, model_axis = LAYOUTS[layout]
+    step, optimizer, params, batch, (pspecs, bspecs) = problem(model, "gpipe", 1)
+    state = optimizer.init(params)
+    pipelined = jp.mpmd_jit_with_loop(
+        step, mpmd_mesh=mpmd_mesh(data, model_axis), in_shardings=(None, pspecs, bspecs)
+    ).compile(state, params, batch)
+    group = jax.make_mesh((data, model_axis), ("data", "model"),
+                          axis_types=(AxisType.Auto,) * 2,
+                          devices=jax.devices()[: data * model_axis])
+    named = lambda t: jax.tree.map(lambda s: NamedSharding(group, s), t,
+                                   is_leaf=lambda x: isinstance(x, P))
+    reference = jax.jit(step, in_shardings=(named(jax.tree.map(lambda _: P(), state)),
+                                            named(pspecs), named(bspecs)))
+    return pipelined, reference.lower(state, params, batch).compile()
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_per_device_flops_match_jax_jit_on_the_group_mesh(model, layout):
+    pipelined, reference = compiled_pair(model, layout)
+    per_group = [g["flops"] for g in pipelined.cost_analysis()]
+    assert sum(per_group) == pytest.approx(flops(reference), rel=0.10)
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_values_between_tasks_carry_layouts(model):
+    pipelined, _ = compiled_pair(model, "data_model")
+    text = str(pipelined.program())
+    assert "{_,data" in text or "{data" in text  # activations split over the batch rows
+    # Both ends of every message agree (the program verifies with the layouts in it).
+    from jaxpp_mpi._src.ir.simulate import verify
+
+    verify(pipelined.program())
+
+
+def test_data_parallel_forward_tasks_gather_nothing():
+    pipelined, _ = compiled_pair("mlp", "data")
+    for g in range(2):
+        names = [n for n in pipelined.cost_analysis()[g]["per_executable"] if n.startswith("F")]
+        assert names
+        for name in names:
+            assert "all-gather" not in pipelined.as_text(g, name)
+
+
+@functools.cache
+def trained(model: str, sched: str):
+    """Three donated adam steps on 2 groups of data=2 x model=2 and, as the reference,
+    under plain jax.jit on one device."""
+    step, optimizer, params, batch, (pspecs, bspecs) = problem(model, sched, 4)
+    reference = run_steps(jax.jit(step), optimizer.init(params), params, batch)
+    f = jp.mpmd_jit_with_loop(step, mpmd_mesh=mpmd_mesh(2, 2),
+                              in_shardings=(None, pspecs, bspecs), donate_argnums=(0, 1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = run_steps(f, optimizer.init(params), params, batch)
+    return reference, got, f, [str(w.message) for w in caught]
+
+
+@pytest.mark.parametrize("sched", SCHEDULES)
+def test_mlp_matches_jax_jit_for_every_schedule(sched):
+    reference, got, f, caught = trained("mlp", sched)
+    assert assert_close_to_reference(reference, got) > 0
+    assert not [m for m in caught if "donat" in m]
+    assert len(f._cache) == 1  # one compile across the training loop
+
+
+def test_transformer_matches_jax_jit():
+    reference, got, _, caught = trained("transformer", "1f1b")
+    assert assert_close_to_reference(reference, got) > 0
+    assert not [m for m in caught if "donat" in m]
+
+
+def test_model_split_weights_stay_split_after_three_steps():
+    _, got, _, _ = trained("mlp", "1f1b")
+    params = got[1]
+    w0, w1 = params[0][0], params[1][0]
+    assert isinstance(w0, jp.MpmdArray)
+    for w, shard in ((w0, (16, 8)), (w1, (8, 16))):
+        local = w.first_mpmd_replica
+        assert {s.data.shape for s in local.addressable_shards} == {shard}
+    np.testing.assert_array_equal(np.asarray(w0.first_mpmd_replica).shape, (16, 16))
