@@ -46,6 +46,7 @@ example: $(PY)
 bench: $(PY)
 	$(JPPRUN) -n 2 python bench/p2p.py --out bench/results/p2p.json
 	$(JPPRUN) -n 2 python bench/pipeline.py --schedule 1f1b --out bench/results/pipeline_1f1b.json
+	$(PY) bench/spmd.py --out bench/results/spmd.json
 
 # ruff, pinned in setup.cfg's dev extra and installed by tools/install.sh.
 lint: $(PY)

@@ -9,6 +9,15 @@ the schedule simulator predicts; at the end every rank checks the losses against
 single-process `jax.jit` run of the same step on the same data, and rank 0 prints the
 largest absolute difference. Without mpirun (one process) the groups are local devices.
 
+`--data-axis D --model-axis M` gives every group D x M devices: the batch's rows are
+split over "data" and the blocks' weights Megatron-style over "model" (attention `qkv`
+and MLP `up` by columns, attention `proj` and MLP `down` by rows), through the step's
+`in_shardings` / `out_shardings`. Under mpirun every rank needs D x M devices (on CPU the
+example forces that many unless XLA_FLAGS already sets a device count):
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 launch/jpprun -n 2 \
+        python examples/train.py --data-axis 2 --model-axis 2
+
 `--trace out.json` records one step after the warm-up (timed task by task, so slower)
 and writes every rank's tasks and messages as a Chrome trace: open it in
 https://ui.perfetto.dev, or draw it with
@@ -52,8 +61,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tied", action="store_true", help="tie the unembedding to the embedding")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--data-axis", type=int, default=1, help="devices per group on 'data'")
-    p.add_argument("--model-axis", type=int, default=1, help="devices per group on 'model'")
+    p.add_argument("--data-axis", type=int, default=1,
+                   help="devices per group on 'data' (the batch's rows split over them)")
+    p.add_argument("--model-axis", type=int, default=1,
+                   help="devices per group on 'model' (the blocks' weights split over them)")
     p.add_argument("--groups", type=int, default=0,
                    help="MPMD groups in a single process (default: the MPI world size)")
     p.add_argument("--no-check", action="store_true", help="skip the jax.jit comparison")
@@ -111,6 +122,7 @@ def main(argv=None) -> int:
     import jax.numpy as jnp
     import numpy as np
     import optax
+    from jax.sharding import PartitionSpec as P
 
     import jaxpp_mpi
     import jaxpp_mpi.checkpoint
@@ -139,6 +151,10 @@ def main(argv=None) -> int:
         raise SystemExit(f"--layers={layers} must be a multiple of the {stages} stages")
     dtype = jnp.dtype(args.dtype)
     d, heads, seq, vocab = args.hidden, args.heads, args.seq, args.vocab
+    if args.microbatch_size % args.data_axis or d % args.model_axis:
+        raise SystemExit(f"--microbatch-size={args.microbatch_size} must be a multiple of "
+                         f"--data-axis={args.data_axis}, --hidden={d} of "
+                         f"--model-axis={args.model_axis}")
 
     def init_params(key):
         ks = iter(jax.random.split(key, 6 * layers + 4))
@@ -188,6 +204,15 @@ def main(argv=None) -> int:
         logp = jax.nn.log_softmax(logits)
         return -jnp.take_along_axis(logp, mb["targets"][..., None], axis=-1).mean()
 
+    def param_specs(params):
+        """Megatron-style layouts: column-split the first linear of attention and MLP
+        over "model", row-split the second; everything else replicated."""
+        column, row = P(None, "model"), P("model", None)
+        split = {"qkv": column, "proj": row, "up": column, "down": row}
+        specs = jax.tree.map(lambda _: P(), params)
+        specs["blocks"] = [{k: split.get(k, P()) for k in b} for b in params["blocks"]]
+        return specs
+
     optimizer = optax.adam(args.lr)
 
     def train_step(opt_state, params, batch):
@@ -205,10 +230,20 @@ def main(argv=None) -> int:
     params = init_params(jax.random.PRNGKey(0))
     opt_state = optimizer.init(params)
 
-    step = jaxpp_mpi.mpmd_jit_with_loop(train_step, mpmd_mesh=mesh, donate_argnums=(0, 1))
+    in_shardings = out_shardings = None  # one device per group: nothing to split
+    if per_group > 1:
+        specs = param_specs(params)
+        opt_specs = optax.tree_map_params(optimizer, lambda _, s: s, opt_state, specs,
+                                          transform_non_params=lambda _: P())
+        rows = {k: P(None, "data") for k in batch}  # (microbatch, row, position)
+        in_shardings, out_shardings = (opt_specs, specs, rows), (opt_specs, specs, P())
+    step = jaxpp_mpi.mpmd_jit_with_loop(train_step, mpmd_mesh=mesh, donate_argnums=(0, 1),
+                                        in_shardings=in_shardings,
+                                        out_shardings=out_shardings)
     if verbose:
-        print(f"{args.schedule}: {stages} stages on {groups} groups of {per_group} device(s), "
-              f"{args.num_microbatches} microbatches", flush=True)
+        layout = f" (data={args.data_axis}, model={args.model_axis})" if per_group > 1 else ""
+        print(f"{args.schedule}: {stages} stages on {groups} groups of {per_group} device(s)"
+              f"{layout}, {args.num_microbatches} microbatches", flush=True)
     t0 = time.perf_counter()
     compiled = step.compile(opt_state, params, batch)
     bubble = predicted_bubble(sched, args.num_microbatches)
