@@ -18,7 +18,7 @@ _EXPORTS = {
     "MpmdSharding": "array",
     "CompileError": "errors",
     "MpmdMesh": "mesh",
-    "make_mpmd_mesh": "mesh",
+    "make_mpmd_mesh": "make_mesh",
     "collect_task_times_ms": "timeline.timing",
     "PreemptionGuard": "runtime.preemption",
     "mpmd_init": "reshard.init",
@@ -73,8 +73,8 @@ if TYPE_CHECKING:  # what static tools see; the same names as _EXPORTS
     from jaxpp_mpi._src.array import MpmdSharding as MpmdSharding
     from jaxpp_mpi._src.compiled import MpmdCompiled as MpmdCompiled
     from jaxpp_mpi._src.errors import CompileError as CompileError
+    from jaxpp_mpi._src.make_mesh import make_mpmd_mesh as make_mpmd_mesh
     from jaxpp_mpi._src.mesh import MpmdMesh as MpmdMesh
-    from jaxpp_mpi._src.mesh import make_mpmd_mesh as make_mpmd_mesh
     from jaxpp_mpi._src.reshard.init import mpmd_init as mpmd_init
     from jaxpp_mpi._src.reshard.reshard import mpmd_to_spmd_reshard as mpmd_to_spmd_reshard
     from jaxpp_mpi._src.reshard.reshard import spmd_to_mpmd_reshard as spmd_to_mpmd_reshard

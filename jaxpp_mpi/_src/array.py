@@ -3,18 +3,27 @@
 Note: Array placement.
   An `MpmdArray` is one logical array held by the groups in its sharding's `mesh_ids`,
   replicated across them, each replica laid out by the same `spec` on its own group
-  mesh. What this process holds of it (`partially_addressable_arrays`):
-  - local mode: one `jax.Array` per group of `mesh_ids`, in `mesh_ids` order, the one
-    of group `i` sharded by `sharding_for(i)`;
+  mesh. What this process holds of it (`partially_addressable_arrays`, in MPMD index
+  order):
+  - local mode: a replica for any subset of `mesh_ids`, each on its group's devices
+    and sharded by `sharding_for(i)`: all of them (what `mpmd_array_from_local` and a
+    compiled step give), some (partially addressable) or none (metadata only);
   - MPI mode: `[the replica of this rank's group]` when the rank is in `mesh_ids`,
-    else `[]` (the array's shape and dtype are then given explicitly).
+    else `[]`. A holding rank must hold its replica: ranks move data without agreeing
+    first, so a holder without data would fail mid-step on that rank alone.
+  With no replica here the array's shape and dtype are given explicitly. What needs
+  the value (`np.asarray`, `float`, `int`, `bool`, iteration...) reads the replica of
+  the lowest group held here and raises `TypeError` naming the holding groups where
+  this process holds none; `format` then gives the repr, as a `jax.Array` that spans
+  other processes' devices does, so a log line does not end an MPI job.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+import operator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
@@ -115,7 +124,7 @@ class MpmdSharding:
     def sharding(self) -> NamedSharding:
         """A `NamedSharding` spanning the devices of every group in `mesh_ids`.
 
-        In local mode its mesh is `mpmd_mesh.mpmd_submesh(mesh_ids)` and the spec does
+        In local mode its mesh is `mpmd_mesh.mpmd_submesh(mesh_ids)`'s and the spec does
         not name the MPMD axis, so the value is replicated across the groups. In MPI
         mode a rank knows only its own group: the result is `sharding_for(rank)`.
 
@@ -124,7 +133,7 @@ class MpmdSharding:
         """
         mesh = self.mpmd_mesh
         if mesh.is_local:
-            return NamedSharding(mesh.mpmd_submesh(self.mesh_ids), self.spec)
+            return NamedSharding(mesh.mpmd_submesh(self.mesh_ids).jax_mesh, self.spec)
         if mesh.my_mpmd_axis_index not in self.mesh_ids:
             raise ValueError(
                 f"rank {mesh.my_mpmd_axis_index} does not hold this value ({self!r}); "
@@ -142,14 +151,20 @@ class MpmdArray:
     """An array held by one or more MPMD groups (see Note: Array placement).
 
     Args:
-      partially_addressable_arrays: this process's replicas, in `mesh_ids` order.
+      partially_addressable_arrays: this process's replicas, each a `jax.Array` on the
+        devices of one group of `mesh_ids` (any order; each group at most once). Local
+        mode: any subset of the groups, none for a metadata-only array. MPI mode: the
+        replica of this rank's group when it is in `mesh_ids`, else none.
       mpmd_sharding: the groups holding the array and its per-group spec.
       shape: the array's shape; required when this process holds no replica.
       dtype: the array's dtype; required when this process holds no replica.
 
     Raises:
-      ValueError: the replicas do not match `mpmd_sharding` (count, devices, layout)
-        or disagree with `shape` / `dtype` or each other.
+      ValueError: a replica is not on one group of `mesh_ids` (or, MPI mode, the
+        count is not this rank's), two are on one group, or a replica's layout, shape
+        or dtype disagrees with `mpmd_sharding`, `shape`, `dtype` or the others.
+      TypeError: a replica is not a `jax.Array`, or `mpmd_sharding` not an
+        `MpmdSharding`.
     """
 
     def __init__(
@@ -162,13 +177,14 @@ class MpmdArray:
         if not isinstance(mpmd_sharding, MpmdSharding):
             raise TypeError(f"mpmd_sharding must be an MpmdSharding, got {mpmd_sharding!r}")
         arrays = list(partially_addressable_arrays)
+        mesh = mpmd_sharding.mpmd_mesh
         local_ids = mpmd_sharding.local_mesh_ids
-        if len(arrays) != len(local_ids):
-            where = "in local mode" if mpmd_sharding.mpmd_mesh.is_local else (
-                f"on rank {mpmd_sharding.mpmd_mesh.my_mpmd_axis_index}")
+        if not mesh.is_local and len(arrays) != len(local_ids):
             raise ValueError(
-                f"{mpmd_sharding!r} {where} needs {len(local_ids)} local array(s) (one per "
-                f"group {local_ids}), got {len(arrays)}"
+                f"{mpmd_sharding!r} on rank {mesh.my_mpmd_axis_index} needs "
+                f"{len(local_ids)} local array(s) (one per group {local_ids}), got "
+                f"{len(arrays)}: a rank holds its group's replica exactly when its group "
+                "is in mesh_ids"
             )
         if not arrays and (shape is None or dtype is None):
             raise ValueError(
@@ -177,9 +193,17 @@ class MpmdArray:
             )
         want_shape = tuple(arrays[0].shape) if shape is None else tuple(int(d) for d in shape)
         want_dtype = np.dtype(arrays[0].dtype if dtype is None else dtype)
-        for idx, arr in zip(local_ids, arrays):
+        by_group: dict[int, tuple[int, jax.Array]] = {}
+        for j, arr in enumerate(arrays):
+            idx = _group_of(arr, j, mpmd_sharding)
+            if idx in by_group:
+                raise ValueError(f"local arrays {by_group[idx][0]} and {j} are both on "
+                                 f"group {idx}'s devices; give each group's replica once")
             _check_replica(arr, idx, mpmd_sharding, want_shape, want_dtype)
-        self._arrays = arrays
+            by_group[idx] = (j, arr)
+        ids = tuple(sorted(by_group))
+        self._arrays = [by_group[i][1] for i in ids]
+        self._ids = None if ids == local_ids else ids
         self._mpmd_sharding = mpmd_sharding
         self._shape = want_shape
         self._dtype = want_dtype
@@ -189,14 +213,22 @@ class MpmdArray:
     def _trusted(cls, arrays: list[jax.Array], mpmd_sharding: MpmdSharding,
                  shape: tuple[int, ...], dtype: np.dtype) -> MpmdArray:
         """An MpmdArray from replicas known to match (a compiled step's outputs, built
-        with exactly these shardings): skips the per-replica checks of `__init__`."""
+        with exactly these shardings, one per group of `local_mesh_ids`): skips the
+        per-replica checks of `__init__`."""
         self = cls.__new__(cls)
         self._arrays = arrays
+        self._ids = None
         self._mpmd_sharding = mpmd_sharding
         self._shape = shape
         self._dtype = dtype
         self._deleted = False
         return self
+
+    @property
+    def _held_ids(self) -> tuple[int, ...]:
+        """The groups whose replicas this process holds, in MPMD index order."""
+        ids = self._ids
+        return self._mpmd_sharding.local_mesh_ids if ids is None else ids
 
     # -- placement ----------------------------------------------------------------
 
@@ -212,17 +244,17 @@ class MpmdArray:
 
     @property
     def partially_addressable_arrays(self) -> list[jax.Array]:
-        """This process's replicas, in `mesh_ids` order (see Note: Array placement)."""
+        """This process's replicas, in MPMD index order (see Note: Array placement)."""
         return list(self._arrays)
 
     @property
     def local_arrays(self) -> dict[int, jax.Array]:
         """This process's replicas by MPMD index."""
-        return dict(zip(self._mpmd_sharding.local_mesh_ids, self._arrays))
+        return dict(zip(self._held_ids, self._arrays))
 
     @property
     def is_partially_addressable(self) -> bool:
-        """True when this process holds a replica (always, in local mode)."""
+        """True when this process holds a replica of the array (of some group)."""
         return bool(self._arrays)
 
     @property
@@ -234,8 +266,8 @@ class MpmdArray:
     def to_mpmd_local_array(self) -> jax.Array | list[jax.Array] | None:
         """This process's replica, or None when it holds none.
 
-        In local mode the single array when one group holds it, and the list of
-        replicas (in `mesh_ids` order) when several do.
+        In local mode the single array when this process holds one replica, and the
+        list of replicas (in MPMD index order) when it holds several.
         """
         if not self._arrays:
             return None
@@ -307,23 +339,66 @@ class MpmdArray:
         """True after `delete()`, or when a replica was deleted (e.g. donated)."""
         return self._deleted or any(arr.is_deleted() for arr in self._arrays)
 
-    # -- conversion ---------------------------------------------------------------
+    # -- conversion (Note: Array placement) -------------------------------------------
+
+    def _value_replica(self, op: str) -> jax.Array:
+        """The replica `op` reads: the lowest held group's.
+
+        Raises:
+          TypeError: this process holds no replica; the message names the holders.
+        """
+        if self._arrays:
+            return self._arrays[0]
+        ids = self._mpmd_sharding.mesh_ids
+        mesh = self._mpmd_sharding.mpmd_mesh
+        if mesh.is_local:
+            raise TypeError(
+                f"{op} needs the value of {self!r}, but this process holds no replica "
+                f"of it (metadata only: built without the arrays of groups {ids}); "
+                "build it with its data, e.g. mpmd_array_from_local(mesh, value, "
+                "mpmd_sharding)"
+            )
+        raise TypeError(
+            f"{op} needs the value of {self!r}, which lives on groups {ids}, not on "
+            f"this rank ({mesh.my_mpmd_axis_index}): read it on a rank of those groups "
+            "(where .is_partially_addressable is True), or bring it to every rank with "
+            "mpmd_to_spmd_reshard (called on every rank)"
+        )
 
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
-        first = self.first_mpmd_replica
-        if first is None and self._arrays:
-            first = self._arrays[0]
-        if first is None:
-            mesh = self._mpmd_sharding.mpmd_mesh
-            raise TypeError(
-                f"{self!r} lives on groups {self._mpmd_sharding.mesh_ids}, not on this rank "
-                f"({mesh.my_mpmd_axis_index}); bring it here first, e.g. with "
-                "mpmd_to_spmd_reshard, or convert it on an owning rank"
-            )
-        out = np.asarray(first)
-        if dtype is not None:
-            out = out.astype(dtype, copy=False)
-        return np.array(out, copy=True) if copy else out
+        kwargs = {} if copy is None else {"copy": copy}
+        return np.asarray(self._value_replica("np.asarray"), dtype=dtype, **kwargs)
+
+    def __format__(self, format_spec: str) -> str:
+        if not self._arrays:  # as a jax.Array spanning other processes' devices does
+            return repr(self)
+        return format(self._arrays[0], format_spec)
+
+    def __bool__(self) -> bool:
+        return bool(self._value_replica("bool()"))
+
+    def __int__(self) -> int:
+        return int(self._value_replica("int()"))
+
+    def __float__(self) -> float:
+        return float(self._value_replica("float()"))
+
+    def __complex__(self) -> complex:
+        return complex(self._value_replica("complex()"))
+
+    def __index__(self) -> int:
+        return operator.index(self._value_replica("operator.index()"))
+
+    def __len__(self) -> int:
+        if not self._shape:
+            raise TypeError("len() of unsized object")  # as numpy and jax.Array say
+        return self._shape[0]
+
+    def __iter__(self) -> Iterator[jax.Array]:
+        """Iterates the first axis of this process's lowest replica, as `jax.Array`s."""
+        if not self._shape:
+            raise TypeError("iteration over a 0-d array")  # as numpy and jax.Array say
+        return iter(self._value_replica("iteration"))
 
     def __repr__(self) -> str:
         state = ", deleted" if self._deleted else ""
@@ -332,23 +407,45 @@ class MpmdArray:
                 f"spec={_format_spec(self._mpmd_sharding.spec)}{state})")
 
 
+def _group_of(arr: Any, j: int, mpmd_sharding: MpmdSharding) -> int:
+    """The group of `mesh_ids` whose devices local array `j` is on.
+
+    Raises:
+      TypeError: `arr` is not a `jax.Array`.
+      ValueError: its devices are not those of one group of `mesh_ids` held here.
+    """
+    if not isinstance(arr, jax.Array):
+        raise TypeError(f"local array {j} must be a jax.Array, got {type(arr)}")
+    mesh = mpmd_sharding.mpmd_mesh
+    devices = arr.sharding.device_set
+    found = [g for g in mesh.local_groups if devices == set(mesh.devices_of(g))]
+    if not found:
+        groups = ", ".join(f"group {g}: {sorted(d.id for d in mesh.devices_of(g))}"
+                           for g in mpmd_sharding.local_mesh_ids)
+        where = "" if mesh.is_local else f" on rank {mesh.my_mpmd_axis_index}"
+        raise ValueError(
+            f"local array {j} is on devices {sorted(d.id for d in devices)}, not on the "
+            f"devices of one group of {mpmd_sharding!r}{where} ({groups}); device_put "
+            "it with mpmd_sharding.sharding_for(group)"
+        )
+    if found[0] not in mpmd_sharding.mesh_ids:
+        raise ValueError(
+            f"local array {j} is on group {found[0]}'s devices, but {mpmd_sharding!r} "
+            f"places the array on groups {mpmd_sharding.mesh_ids}"
+        )
+    return found[0]
+
+
 def _check_replica(
-    arr: Any, idx: int, mpmd_sharding: MpmdSharding, shape: tuple[int, ...],
+    arr: jax.Array, idx: int, mpmd_sharding: MpmdSharding, shape: tuple[int, ...],
     dtype: np.dtype,
 ) -> None:
-    if not isinstance(arr, jax.Array):
-        raise TypeError(f"replica for group {idx} must be a jax.Array, got {type(arr)}")
     if tuple(arr.shape) != shape or np.dtype(arr.dtype) != dtype:
         raise ValueError(
             f"replica for group {idx} is {np.dtype(arr.dtype).name}{list(arr.shape)}, "
             f"expected {dtype.name}{list(shape)}"
         )
     want = mpmd_sharding.sharding_for(idx)
-    if arr.sharding.device_set != set(want.device_set):
-        raise ValueError(
-            f"replica for group {idx} is on devices {sorted(d.id for d in arr.sharding.device_set)}"
-            f", but group {idx} has devices {sorted(d.id for d in want.device_set)}"
-        )
     if not arr.sharding.is_equivalent_to(want, len(shape)):
         raise ValueError(
             f"replica for group {idx} is laid out as {arr.sharding}, not as "

@@ -10,6 +10,13 @@ Note: Mesh modes.
     size 1). Rank `r` of `comm` is MPMD index `r`, `mpmd_dim == comm.size`, and only
     this rank's group's devices are known here: asking for another group's mesh or
     devices is an error.
+  `mpmd_submesh(idxs)` keeps the mode. In local mode it is the slice of `jax_mesh`
+  (local even with one group). In MPI mode it is built on every rank alike from groups
+  on ranks `idxs`: a member rank knows its own group, a non-member none
+  (`local_groups == ()`), and unless `idxs` is every rank in order its MPMD indexes
+  are not communicator ranks, so it has no `comm`: it describes groups, it runs
+  nothing. JaxPP's device-level views (`unstack`, `device_coords`, ...) are in
+  `mesh_views.py`.
   The mode depends only on the mesh, the communicator's size and the MPI world size,
   which every rank sees the same way, so mode errors are raised on every rank alike.
 
@@ -28,16 +35,17 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Iterable, Sequence
-from typing import Any, Protocol
+from collections.abc import Iterable
+from typing import Any, ClassVar, Protocol
 
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
 from jaxpp_mpi._src.launch.env import job_world_size
+from jaxpp_mpi._src.mesh_views import GroupViews
 
-__all__ = ["MpmdMesh", "make_mpmd_mesh"]
+__all__ = ["MpmdMesh"]
 
 class Comm(Protocol):
     """What an `MpmdMesh` needs of a communicator (an `mpi4py.MPI.Comm` has it)."""
@@ -84,12 +92,17 @@ def _describe(mesh: Mesh) -> str:
     return ", ".join(f"{name!r}: {size}" for name, size in mesh.shape.items())
 
 
-class MpmdMesh:
+class MpmdMesh(GroupViews):
     """A JAX mesh partitioned into MPMD groups along `mpmd_axis_name`.
 
     See Note: Mesh modes. Two meshes are equal (and hash equal) when their device
-    layout, MPMD axis, mode and own MPMD index are equal; the communicator object is
-    not compared.
+    layout, MPMD axis, mode, own MPMD index and (MPI mode) ranks are equal; the
+    communicator object is not compared.
+
+    `with mpmd_mesh:` makes it the innermost entry of `MpmdMesh.mesh_stack`, as in
+    JaxPP; it sets no JAX mesh (no `jax.set_mesh`): each group's executables are
+    compiled on that group's mesh, and inside a step a bare `PartitionSpec` needs no
+    mesh context (Note: sharding constraints in `retarget.py`).
 
     Args:
       jax_mesh: in local mode the whole mesh (MPMD axis of size > 1, all devices in
@@ -106,24 +119,19 @@ class MpmdMesh:
         MPMD axis missing from a one-process mesh).
     """
 
+    mesh_stack: ClassVar[list[MpmdMesh]] = []
+
     def __init__(self, jax_mesh: Mesh, mpmd_axis_name: str, comm: Comm | None = None):
         if not isinstance(jax_mesh, Mesh):
             raise TypeError(f"jax_mesh must be a jax.sharding.Mesh, got {type(jax_mesh)}")
         if not isinstance(mpmd_axis_name, str):
             raise TypeError(f"mpmd_axis_name must be a str, got {mpmd_axis_name!r}")
-        names = tuple(jax_mesh.axis_names)
-        has_axis = mpmd_axis_name in names
+        has_axis = mpmd_axis_name in tuple(jax_mesh.axis_names)
         axis_size = jax_mesh.shape[mpmd_axis_name] if has_axis else 1
         foreign = [d for d in jax_mesh.devices.flat if not _is_addressable(d)]
         comm_size = None if comm is None else int(comm.Get_size())
         world_size = _mpi_world_size() if comm is None else comm_size
-
-        self._jax_mesh = jax_mesh
-        self._mpmd_axis_name = mpmd_axis_name
-        self._axis_pos = names.index(mpmd_axis_name) if has_axis else None
-        self._group_axis_names = tuple(n for n in names if n != mpmd_axis_name)
-        types = tuple(jax_mesh.axis_types)
-        self._group_axis_types = tuple(t for n, t in zip(names, types) if n != mpmd_axis_name)
+        self._setup(jax_mesh, mpmd_axis_name)
 
         if axis_size > 1:
             self._init_local(axis_size, foreign, world_size, comm)
@@ -138,6 +146,21 @@ class MpmdMesh:
                     "size 1 or pass comm= explicitly."
                 )
             self._init_mpi(foreign, comm)
+
+    def _setup(self, jax_mesh: Mesh, mpmd_axis_name: str) -> None:
+        """Sets the fields that depend only on the mesh and the axis name."""
+        names = tuple(jax_mesh.axis_names)
+        types = tuple(jax_mesh.axis_types)
+        self._jax_mesh = jax_mesh
+        self._mpmd_axis_name = mpmd_axis_name
+        self._axis_pos = names.index(mpmd_axis_name) if mpmd_axis_name in names else None
+        # Without the axis (MPI mode), meshes built here put it first (`mpmd_axis`).
+        self._mpmd_axis = 0 if self._axis_pos is None else self._axis_pos
+        self._mpmd_axis_type = AxisType.Auto if self._axis_pos is None else types[
+            self._axis_pos]
+        self._group_axis_names = tuple(n for n in names if n != mpmd_axis_name)
+        self._group_axis_types = tuple(t for n, t in zip(names, types) if n != mpmd_axis_name)
+        self._group_shape = {n: s for n, s in jax_mesh.shape.items() if n != mpmd_axis_name}
 
     def _init_local(self, axis_size: int, foreign: list, world_size: int, comm) -> None:
         name = self._mpmd_axis_name
@@ -160,6 +183,8 @@ class MpmdMesh:
         self._comm = comm
         self._mpmd_dim = axis_size
         self._my_idx = None
+        self._my_rank = None
+        self._ranks = None
         self._group_meshes = tuple(
             Mesh(
                 np.take(self._jax_mesh.devices, i, axis=self._axis_pos),
@@ -182,7 +207,9 @@ class MpmdMesh:
         self._is_local = False
         self._comm = comm
         self._mpmd_dim = int(comm.Get_size())
-        self._my_idx = int(comm.Get_rank())
+        self._my_rank = self._my_idx = int(comm.Get_rank())
+        self._ranks = tuple(range(self._mpmd_dim))
+        self._root_comm = comm
         devices = self._jax_mesh.devices
         if self._axis_pos is not None:
             devices = np.take(devices, 0, axis=self._axis_pos)
@@ -195,7 +222,7 @@ class MpmdMesh:
 
     def _key(self) -> tuple:
         return (self._is_local, self._mpmd_axis_name, self._jax_mesh, self._mpmd_dim,
-                self._my_idx)
+                self._my_idx, self._my_rank, self._ranks)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, MpmdMesh) and self._key() == other._key()
@@ -204,16 +231,51 @@ class MpmdMesh:
         return hash(self._key())
 
     def __repr__(self) -> str:
-        mode = "local" if self._is_local else f"mpi, rank={self._my_idx}"
+        if self._is_local:
+            mode = "local"
+        else:
+            mode = f"mpi, rank={self._my_rank}"
+            if self._ranks != tuple(range(self._mpmd_dim)):
+                mode += f", groups on ranks {list(self._ranks)}"
         group = ", ".join(f"{n!r}: {s}" for n, s in self.group_shape.items())
         return (f"MpmdMesh({mode}, {self._mpmd_axis_name!r}: {self._mpmd_dim}, "
                 f"group={{{group}}})")
 
+    def __enter__(self) -> MpmdMesh:
+        """Pushes this mesh on `MpmdMesh.mesh_stack` (see the class docstring)."""
+        MpmdMesh.mesh_stack.append(self)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        if not MpmdMesh.mesh_stack or MpmdMesh.mesh_stack[-1] is not self:
+            raise RuntimeError(
+                f"leaving `with {self!r}:` but it is not the innermost mesh entered "
+                "(MpmdMesh.mesh_stack was changed inside the block); nest `with` "
+                "blocks instead of calling __enter__/__exit__ by hand."
+            )
+        MpmdMesh.mesh_stack.pop()
+
     # -- properties ---------------------------------------------------------------
+
+    def _require_held(self) -> None:
+        if self._jax_mesh is None:
+            raise ValueError(
+                f"{self!r} holds no devices on this rank ({self._my_rank}): its groups "
+                f"live on MPI ranks {list(self._ranks)}. Check local_groups (empty here) "
+                "before asking for its devices."
+            )
 
     @property
     def jax_mesh(self) -> Mesh:
-        """The mesh given: all groups in local mode, this rank's group in MPI mode."""
+        """The mesh given: all groups in local mode, this rank's group in MPI mode.
+
+        For an MPI-mode `mpmd_submesh`, this rank's group mesh with the MPMD axis (size
+        1); a rank holding none of the submesh's groups has no devices of it.
+
+        Raises:
+          ValueError: an MPI-mode submesh of groups this rank does not hold.
+        """
+        self._require_held()
         return self._jax_mesh
 
     @property
@@ -222,8 +284,31 @@ class MpmdMesh:
         return self._mpmd_axis_name
 
     @property
+    def mpmd_axis(self) -> int:
+        """Position of the MPMD axis among the whole mesh's axes (JaxPP's `mpmd_axis`).
+
+        The axis along which the devices split into groups: `device_coords[d][mpmd_axis]`
+        is device `d`'s MPMD index. In MPI mode with a group mesh that lacks the MPMD
+        axis, 0: the meshes built here (`unstack`, `my_mpmd_group_mesh`,
+        `mpmd_submesh`) put it first.
+        """
+        return self._mpmd_axis
+
+    @property
     def comm(self) -> Comm | None:
-        """The communicator (MPI mode); None in local mode unless one was given."""
+        """The communicator (MPI mode); None in local mode unless one was given.
+
+        Raises:
+          ValueError: an MPI-mode `mpmd_submesh` of other groups than all ranks in
+            order: its MPMD indexes are not a communicator's ranks, so it has none.
+        """
+        if self._comm is None and not self._is_local:
+            raise ValueError(
+                f"{self!r} is a submesh of MPI ranks {list(self._ranks)}: its MPMD "
+                "indexes are not its ranks, so it has no communicator. Pipelines, "
+                "reshards, checkpoints and traces run on the full mesh (every rank, "
+                "MPMD index = rank): pass the mesh the submesh was taken from."
+            )
         return self._comm
 
     @property
@@ -238,15 +323,21 @@ class MpmdMesh:
 
     @property
     def my_mpmd_axis_index(self) -> int | None:
-        """This rank's MPMD index in MPI mode; None in local mode (it holds all groups)."""
+        """This rank's MPMD index in MPI mode; None in local mode (it holds all groups).
+
+        Also None on a rank that holds none of an MPI-mode `mpmd_submesh`'s groups.
+        """
         return self._my_idx
 
     @property
     def local_groups(self) -> tuple[int, ...]:
-        """MPMD indexes whose devices this process holds: all in local mode, else (rank,)."""
+        """MPMD indexes whose devices this process holds: all in local mode, else (rank,).
+
+        Empty on a rank that holds none of an MPI-mode `mpmd_submesh`'s groups.
+        """
         if self._is_local:
             return tuple(range(self._mpmd_dim))
-        return (self._my_idx,)
+        return () if self._my_idx is None else (self._my_idx,)
 
     @property
     def group_axis_names(self) -> tuple[str, ...]:
@@ -256,30 +347,16 @@ class MpmdMesh:
     @property
     def group_shape(self) -> dict[str, int]:
         """Axis sizes of a group mesh, in axis order."""
-        return dict(self._group_meshes[0].shape)
+        return dict(self._group_shape)
 
     @property
     def group_size(self) -> int:
         """Number of devices in one group."""
-        return self._group_meshes[0].devices.size
-
-    @property
-    def unstack(self) -> list[Mesh]:
-        """Every group's mesh, in MPMD index order (local mode only).
-
-        Raises:
-          ValueError: in MPI mode, where other ranks' devices are unknown here.
-        """
-        if not self._is_local:
-            raise ValueError(
-                "MpmdMesh.unstack needs every group's devices, which only a local-mode "
-                f"mesh has; in MPI mode use group_mesh({self._my_idx}) or lowering_mesh()."
-            )
-        return list(self._group_meshes)
+        return math.prod(self._group_shape.values())
 
     # -- groups -------------------------------------------------------------------
 
-    def _check_idx(self, mpmd_idx: int) -> int:
+    def _check_range(self, mpmd_idx: int) -> int:
         if not isinstance(mpmd_idx, (int, np.integer)) or isinstance(mpmd_idx, bool):
             raise TypeError(f"an MPMD index must be an int, got {mpmd_idx!r}")
         mpmd_idx = int(mpmd_idx)
@@ -288,12 +365,20 @@ class MpmdMesh:
                 f"MPMD index {mpmd_idx} is out of range: the mesh has {self._mpmd_dim} "
                 f"groups (0..{self._mpmd_dim - 1})"
             )
+        return mpmd_idx
+
+    def _check_idx(self, mpmd_idx: int) -> int:
+        mpmd_idx = self._check_range(mpmd_idx)
         if not self._is_local and mpmd_idx != self._my_idx:
+            where = (f"group {mpmd_idx} lives on MPI rank {self._ranks[mpmd_idx]}; this is "
+                     f"rank {self._my_rank}")
+            if self._my_idx is None:
+                raise ValueError(f"{where}, which holds none of the groups of {self!r}. "
+                                 "Check local_groups before touching devices.")
             raise ValueError(
-                f"group {mpmd_idx} lives on MPI rank {mpmd_idx}; this is rank "
-                f"{self._my_idx}, which knows only its own group's devices. Ask for "
-                f"group {self._my_idx} (my_mpmd_axis_index), or check is_partially_"
-                "addressable before touching a value's devices."
+                f"{where}, which knows only its own group's devices. Ask for group "
+                f"{self._my_idx} (my_mpmd_axis_index), or check is_partially_addressable "
+                "before touching a value's devices."
             )
         return mpmd_idx
 
@@ -315,142 +400,58 @@ class MpmdMesh:
 
         In MPI mode this rank's group mesh. In local mode group 0's mesh: every group
         has the same shape, so a stage compiled for it is re-targeted to another group
-        by its shardings on that group's mesh.
+        by its shardings on that group's mesh. Unlike JaxPP's, it has no MPMD axis.
+
+        Raises:
+          ValueError: a rank holding none of an MPI-mode submesh's groups.
         """
+        self._require_held()
         return self._group_meshes[0]
 
-    def mpmd_submesh(self, mpmd_idxs: Iterable[int]) -> Mesh:
-        """A mesh spanning groups `mpmd_idxs`, keeping the MPMD axis (of size len(idxs)).
+    def mpmd_submesh(self, mpmd_idxs: Iterable[int]) -> MpmdMesh:
+        """The `MpmdMesh` of groups `mpmd_idxs`, group `mpmd_idxs[k]` becoming group `k`.
 
         Args:
           mpmd_idxs: distinct MPMD indexes, in the order wanted along the MPMD axis.
 
         Returns:
-          In local mode the slice of `jax_mesh` at those indexes along the MPMD axis.
-          In MPI mode only `(my_mpmd_axis_index,)` is allowed, and the result is this
-          rank's group mesh with the MPMD axis (size 1) in its place.
+          In local mode the `MpmdMesh` of the slice of `jax_mesh` at those indexes along the
+          MPMD axis, local even for one group. In MPI mode an MPI-mode mesh of the
+          groups on those ranks, on every rank alike: its `jax_mesh` is this rank's
+          group with the MPMD axis (size 1) if this rank is one of them
+          (`my_mpmd_axis_index` is then its position in `mpmd_idxs`); a rank holding
+          none of them gets `local_groups == ()` and an error from `jax_mesh`. Unless
+          `mpmd_idxs` is every group in order, it has no communicator (`comm` raises):
+          it describes groups, and cannot run a pipeline.
 
         Raises:
-          ValueError: empty or repeated indexes, or another rank's group in MPI mode.
+          ValueError: empty, repeated or out-of-range indexes.
+          TypeError: an index that is not an int.
         """
-        idxs = [self._check_idx(i) if self._is_local else i for i in mpmd_idxs]
+        idxs = tuple(self._check_range(i) for i in mpmd_idxs)
         if not idxs or len(set(idxs)) != len(idxs):
-            raise ValueError(f"mpmd_submesh needs distinct MPMD indexes, got {idxs}")
-        names = tuple(self._jax_mesh.axis_names)
-        types = tuple(self._jax_mesh.axis_types)
+            raise ValueError(f"mpmd_submesh needs distinct MPMD indexes, got {list(idxs)}")
+        sub = object.__new__(MpmdMesh)
         if self._is_local:
+            names = tuple(self._jax_mesh.axis_names)
             devices = np.take(self._jax_mesh.devices, idxs, axis=self._axis_pos)
-            return Mesh(devices, names, axis_types=types)
-        if len(idxs) != 1:
-            raise ValueError(
-                f"mpmd_submesh({idxs}) spans several MPI ranks; in MPI mode a rank holds "
-                f"only its own group: use mpmd_submesh(({self._my_idx},))."
-            )
-        self._check_idx(idxs[0])
-        if self._axis_pos is not None:
-            return self._jax_mesh
-        own = self._group_meshes[0]
-        return Mesh(
-            own.devices[np.newaxis],
-            (self._mpmd_axis_name, *own.axis_names),
-            axis_types=(AxisType.Auto, *own.axis_types),
-        )
-
-
-def make_mpmd_mesh(
-    axis_shapes: Sequence[int],
-    axis_names: Sequence[str],
-    mpmd_axis_name: str,
-    comm: Comm | None = None,
-    devices: Sequence[Any] | None = None,
-    *,
-    axis_types: tuple[AxisType, ...] | None = None,
-) -> MpmdMesh:
-    """Builds an `MpmdMesh` from the *global* mesh shape, like `jax.make_mesh`.
-
-    Local mode when no `comm` is given, the MPI job has one process, the MPMD axis is
-    larger than 1 and this process has all `prod(axis_shapes)` devices (the first ones
-    are used); mpi4py is not imported then. Otherwise MPI mode: rank `r` of `comm`
-    (default `collectives.world_dup()`) gets group `r`, built from its local devices.
-
-    Unlike `jax.make_mesh`, axes default to `AxisType.Auto`: stage executables are
-    partitioned by XLA's automatic sharding propagation.
-
-    Args:
-      axis_shapes: global axis sizes, MPMD axis included.
-      axis_names: axis names, one per size.
-      mpmd_axis_name: the axis that separates the groups.
-      comm: communicator for MPI mode (see Note: Default communicator).
-      devices: devices to use (local mode: at least the global count; MPI mode: this
-        rank's, exactly one group's worth). Defaults to `jax.devices()` /
-        `jax.local_devices()`.
-      axis_types: per-axis types; default all `AxisType.Auto`.
-
-    Returns:
-      The `MpmdMesh`.
-
-    Raises:
-      ValueError: malformed shape or names; the MPMD axis size differs from the number
-        of ranks; a rank's device count differs from one group's size. All are raised
-        on every rank alike: the first two depend only on arguments and the job size,
-        and the device counts are allgathered over `comm` (in MPI mode this function
-        is collective, like the `Dup` of the default communicator).
-    """
-    shape = tuple(int(s) for s in axis_shapes)
-    names = tuple(axis_names)
-    if len(shape) != len(names):
-        raise ValueError(f"axis_shapes {shape} and axis_names {names} differ in length")
-    if any(s < 1 for s in shape):
-        raise ValueError(f"axis sizes must be positive, got {shape}")
-    if len(set(names)) != len(names):
-        raise ValueError(f"axis names must be distinct, got {names}")
-    if mpmd_axis_name not in names:
-        raise ValueError(
-            f"mpmd_axis_name {mpmd_axis_name!r} is not one of the axis names {names}"
-        )
-    if axis_types is None:
-        axis_types = (AxisType.Auto,) * len(names)
-    pos = names.index(mpmd_axis_name)
-    num_groups = shape[pos]
-    total = math.prod(shape)
-    group_devices = total // num_groups
-
-    world_size = _mpi_world_size() if comm is None else int(comm.Get_size())
-    if comm is None and world_size == 1 and num_groups > 1:
-        available = list(jax.devices() if devices is None else devices)
-        if len(available) >= total:
-            mesh = jax.make_mesh(shape, names, axis_types, devices=available[:total])
-            return MpmdMesh(mesh, mpmd_axis_name)
-        raise ValueError(
-            f"mesh wants {num_groups} groups but the job has 1 rank: run with "
-            f"mpirun -n {num_groups} (launch/jpprun -n {num_groups}), or, in one process, "
-            f"provide {total} devices (this process has {len(available)}; e.g. "
-            f"XLA_FLAGS=--xla_force_host_platform_device_count={total} on CPU)."
-        )
-    if num_groups != world_size:
-        raise ValueError(
-            f"mesh wants {num_groups} groups (axis {mpmd_axis_name!r}) but the job has "
-            f"{world_size} ranks: run with mpirun -n {num_groups} "
-            f"(launch/jpprun -n {num_groups})."
-        )
-    local = list(jax.local_devices() if devices is None else devices)
-    if comm is None:
-        comm = _default_comm()
-    # Every rank learns every rank's device count, so a wrong count on one rank raises
-    # on all of them (a communicator without allgather, e.g. a test double: this rank).
-    gather = getattr(comm, "allgather", None)
-    counts = list(gather(len(local))) if gather is not None else [len(local)]
-    wrong = [r for r, c in enumerate(counts) if c != group_devices]
-    if wrong:
-        group = ", ".join(f"{n!r}: {s}" for n, s in zip(names, shape) if n != mpmd_axis_name)
-        which = "" if len(wrong) == len(counts) else (
-            f" (rank(s) {wrong} have {[counts[r] for r in wrong]})")
-        raise ValueError(
-            f"each rank needs {group_devices} devices (group {{{group}}}), this rank has "
-            f"{len(local)}{which}: set XLA_FLAGS=--xla_force_host_platform_device_count="
-            f"{group_devices} on CPU, or CUDA_VISIBLE_DEVICES to {group_devices} GPUs per "
-            "rank, or pass devices= explicitly."
-        )
-    group_shape = tuple(1 if i == pos else s for i, s in enumerate(shape))
-    mesh = jax.make_mesh(group_shape, names, axis_types, devices=local)
-    return MpmdMesh(mesh, mpmd_axis_name, comm)
+            sub._setup(Mesh(devices, names, axis_types=tuple(self._jax_mesh.axis_types)),
+                       self._mpmd_axis_name)
+            sub._init_local(len(idxs), [], 1, self._comm)
+            return sub
+        mine = self._my_idx in idxs
+        for field in ("_mpmd_axis_name", "_mpmd_axis", "_mpmd_axis_type",
+                      "_group_axis_names", "_group_axis_types", "_group_shape"):
+            setattr(sub, field, getattr(self, field))
+        sub._jax_mesh = self.my_mpmd_group_mesh if mine else None
+        sub._axis_pos = self._mpmd_axis
+        sub._is_local = False
+        sub._mpmd_dim = len(idxs)
+        sub._my_rank = self._my_rank
+        sub._my_idx = idxs.index(self._my_idx) if mine else None
+        sub._ranks = tuple(self._ranks[i] for i in idxs)
+        sub._root_comm = self._root_comm
+        every_rank = tuple(range(int(self._root_comm.Get_size())))
+        sub._comm = self._root_comm if sub._ranks == every_rank else None
+        sub._group_meshes = self._group_meshes if mine else ()
+        return sub

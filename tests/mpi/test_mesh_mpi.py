@@ -16,7 +16,8 @@ from jax.sharding import PartitionSpec as P
 from mpi4py import MPI
 
 from jaxpp_mpi._src.array import MpmdArray, MpmdSharding, mpmd_array_from_local
-from jaxpp_mpi._src.mesh import MpmdMesh, make_mpmd_mesh
+from jaxpp_mpi._src.make_mesh import make_mpmd_mesh
+from jaxpp_mpi._src.mesh import MpmdMesh
 
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.rank, WORLD.size
@@ -51,12 +52,48 @@ def test_make_mpmd_mesh(mesh):
     assert own.axis_names == ("data",)
     assert list(own.devices.flat) == jax.local_devices()
     assert mesh.lowering_mesh() == own
-    assert dict(mesh.mpmd_submesh((RANK,)).shape) == {"stage": 1, "data": K}
+    assert dict(mesh.mpmd_submesh((RANK,)).jax_mesh.shape) == {"stage": 1, "data": K}
     other = (RANK + 1) % SIZE
     with pytest.raises(ValueError, match=f"group {other} lives on MPI rank {other}"):
         mesh.group_mesh(other)
-    with pytest.raises(ValueError, match="only a local-mode mesh"):
-        mesh.unstack
+    with pytest.raises(ValueError, match=f"group {other} lives on MPI rank {other}"):
+        mesh.unstack[other]
+
+
+@pytest.mark.mpi(min_size=2)
+def test_views_put_together_are_the_whole_mesh(mesh):
+    # Each rank knows its own devices' coordinates; together they are the global mesh
+    # make_mpmd_mesh((SIZE, K), ...) describes: rank r's j-th local device at (r, j).
+    assert mesh.mpmd_axis == 0
+    mine = {d.id: mesh.device_coords[d] for d in jax.local_devices()}
+    assert set(mesh.device_mpmd_idx.values()) == {RANK} and len(mesh.device_coords) == K
+    coords = [c for part in WORLD.allgather(sorted(mine.values())) for c in part]
+    assert sorted(coords) == sorted(np.ndindex(SIZE, K))
+    assert [mine[d.id] for d in jax.local_devices()] == [(RANK, j) for j in range(K)]
+    own = mesh.unstack[RANK]
+    assert own == mesh.my_mpmd_group_mesh == mesh.jax_mesh
+    assert own.axis_names == ("stage", "data") and list(own.devices.flat) == jax.local_devices()
+    assert mesh.mpmd_idx_for_mesh == {own: RANK, mesh.group_mesh(RANK): RANK}
+
+
+@pytest.mark.mpi(min_size=2)
+def test_submesh_of_even_ranks(mesh):
+    evens = list(range(0, SIZE, 2))
+    sub = mesh.mpmd_submesh(evens)
+    assert sub.mpmd_dim == len(evens) and not sub.is_local
+    if RANK in evens:
+        assert sub.my_mpmd_axis_index == RANK // 2 and sub.local_groups == (RANK // 2,)
+        assert sub.jax_mesh == mesh.my_mpmd_group_mesh
+        assert sub.group_mesh(RANK // 2) == mesh.group_mesh(RANK)
+        assert [sub.device_coords[d] for d in jax.local_devices()] == [
+            (RANK // 2, j) for j in range(K)]
+    else:
+        assert sub.my_mpmd_axis_index is None and sub.local_groups == ()
+        with pytest.raises(ValueError, match=f"holds no devices on this rank \\({RANK}\\)"):
+            sub.jax_mesh
+    with pytest.raises(ValueError, match="no communicator"):
+        sub.comm
+    assert mesh.mpmd_submesh(range(SIZE)).comm is mesh.comm
 
 
 @pytest.mark.mpi(min_size=2)

@@ -53,7 +53,7 @@ def block_of(value: np.ndarray, dim) -> np.ndarray:
 def spmd_input(mesh, value: np.ndarray, dim, with_data: bool):
     """The SPMD input of this rank: its block (spec naming the MPMD axis) or the whole."""
     axis = ("stage", "data") if with_data else "stage"
-    sharding = NamedSharding(mesh.mpmd_submesh((RANK,)), spec_on(value.ndim, dim, axis))
+    sharding = NamedSharding(mesh.mpmd_submesh((RANK,)).jax_mesh, spec_on(value.ndim, dim, axis))
     return jax.device_put(block_of(value, dim), sharding)
 
 
@@ -100,7 +100,7 @@ def test_round_trip_returns_the_same_bytes_on_every_rank(mesh, leaves, seed):
     back = jaxpp_mpi.mpmd_to_spmd_reshard(mesh, mpmd, dst)
     for i, (out, arr, v, c, spec) in enumerate(zip(back, mpmd, values, leaves, dst)):
         want = block_of(v, c["dst"])
-        layout = NamedSharding(mesh.mpmd_submesh((RANK,)), spec)
+        layout = NamedSharding(mesh.mpmd_submesh((RANK,)).jax_mesh, spec)
         if not (arr.is_deleted() and out.sharding.is_equivalent_to(layout, v.ndim)
                 and out.dtype == v.dtype and np.array_equal(bits(out), bits(want))):
             problems.append(f"leaf {i}: spmd result differs ({c})")
@@ -113,7 +113,7 @@ def test_messages_take_the_cheapest_collective(mesh):
     by one group gathered; going back, a value held by one group is broadcast (whole
     target) or scattered (blocked target), one held everywhere moves nothing."""
     v = random_array(1, (2 * SIZE * K, 3), "float32")
-    whole = jax.device_put(v, NamedSharding(mesh.mpmd_submesh((RANK,)), P()))
+    whole = jax.device_put(v, NamedSharding(mesh.mpmd_submesh((RANK,)).jax_mesh, P()))
     everyone, one = MpmdSharding(mesh, range(SIZE), P()), MpmdSharding(mesh, SIZE - 1, P())
     got = jaxpp_mpi.spmd_to_mpmd_reshard(
         mesh, [whole, spmd_input(mesh, v, 0, False), spmd_input(mesh, v, 0, False)],

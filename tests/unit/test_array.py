@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import operator
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,8 +12,9 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxpp_mpi import make_mpmd_mesh
 from jaxpp_mpi._src.array import MpmdArray, MpmdSharding, mpmd_array_from_local
-from jaxpp_mpi._src.mesh import MpmdMesh, make_mpmd_mesh
+from jaxpp_mpi._src.mesh import MpmdMesh
 
 
 class FakeComm:
@@ -34,6 +38,12 @@ def mesh42() -> MpmdMesh:
 @pytest.fixture
 def mesh222() -> MpmdMesh:
     return make_mpmd_mesh((2, 2, 2), ("stage", "data", "model"), "stage")
+
+
+def _submesh(mesh: MpmdMesh, ids: tuple[int, ...]) -> Mesh:
+    """The whole mesh's slice at groups `ids` (MPMD axis first), built here directly."""
+    jm = mesh.jax_mesh
+    return Mesh(np.take(jm.devices, list(ids), axis=0), jm.axis_names)
 
 
 def _value(shape=(8, 6), dtype=np.float32) -> np.ndarray:
@@ -80,7 +90,7 @@ def test_sharding_for_and_submesh_sharding(mesh222):
         assert isinstance(ns, NamedSharding)
         assert ns.mesh == mesh222.group_mesh(i) and ns.spec == P("data", "model")
     whole = s.sharding
-    assert whole.mesh == mesh222.mpmd_submesh((0, 1))
+    assert whole.mesh == _submesh(mesh222, (0, 1))
     assert dict(whole.mesh.shape) == {"stage": 2, "data": 2, "model": 2}
     assert whole.spec == P("data", "model")
     assert s.local_mesh_ids == (0, 1)
@@ -110,7 +120,7 @@ def test_single_group_array(mesh42):
     assert a.size == 48 and a.nbytes == 192
     assert a.aval == jax.core.ShapedArray((8, 6), jnp.float32)
     assert a.spec == P("data") and a.mpmd_sharding is s
-    assert a.sharding.mesh == mesh42.mpmd_submesh((2,))
+    assert a.sharding.mesh == _submesh(mesh42, (2,))
     np.testing.assert_array_equal(np.asarray(a), value)
     assert np.asarray(a, dtype=np.int32).dtype == np.int32
     assert a.block_until_ready() is a
@@ -163,11 +173,21 @@ def test_constructor_validation(mesh42):
     r0 = jax.device_put(value, s.sharding_for(0))
     r1 = jax.device_put(value, s.sharding_for(1))
     MpmdArray([r0, r1], s)  # ok
-    with pytest.raises(ValueError, match=r"needs 2 local array\(s\).*got 1"):
-        MpmdArray([r0], s)
-    with pytest.raises(ValueError, match=r"replica for group 0 is on devices \[2, 3\], but "
-                                         r"group 0 has devices \[0, 1\]"):
-        MpmdArray([r1, r0], s)
+    with pytest.raises(ValueError, match=r"local arrays 0 and 1 are both on group 0's"):
+        MpmdArray([r0, r0], s)
+    r3 = jax.device_put(value, NamedSharding(mesh42.group_mesh(3), P("data")))
+    with pytest.raises(ValueError, match=r"local array 1 is on group 3's devices, but "
+                                         r".* places the array on groups \(0, 1\)"):
+        MpmdArray([r0, r3], s)
+    across = jax.device_put(value, NamedSharding(Mesh(np.array(jax.devices()[1:3]), ("x",)),
+                                                 P("x")))
+    with pytest.raises(ValueError, match=r"local array 0 is on devices \[1, 2\], not on "
+                                         r"the devices of one group .*group 0: \[0, 1\], "
+                                         r"group 1: \[2, 3\]"):
+        MpmdArray([across], s)
+    one_device = jax.device_put(value, jax.devices()[0])
+    with pytest.raises(ValueError, match=r"local array 0 is on devices \[0\], not on"):
+        MpmdArray([one_device], s)
     with pytest.raises(ValueError, match=r"replica for group 0 is float32\[8, 6\], expected "
                                          r"float32\[6, 8\]"):
         MpmdArray([r0, r1], s, shape=(6, 8))
@@ -179,10 +199,120 @@ def test_constructor_validation(mesh42):
     replicated = jax.device_put(value, NamedSharding(mesh42.group_mesh(1), P()))
     with pytest.raises(ValueError, match=r"laid out as .* not as P\('data'\)"):
         MpmdArray([r0, replicated], s)
-    with pytest.raises(TypeError, match="must be a jax.Array"):
+    with pytest.raises(TypeError, match="local array 0 must be a jax.Array"):
         MpmdArray([value, r1], s)
     with pytest.raises(TypeError, match="must be an MpmdSharding"):
         MpmdArray([r0], s.sharding_for(0))
+
+
+def test_replicas_in_any_order(mesh42):
+    """Each local array is matched to its group by its devices, as JaxPP does."""
+    s = MpmdSharding(mesh42, (0, 3), P("data"))
+    value = _value()
+    r0, r3 = (jax.device_put(value, s.sharding_for(i)) for i in (0, 3))
+    a = MpmdArray([r3, r0], s)
+    assert a.partially_addressable_arrays == [r0, r3]
+    assert a.local_arrays == {0: r0, 3: r3}
+    assert a.first_mpmd_replica is r0
+
+
+# -- partially addressable and metadata-only arrays, local mode ------------------------
+
+
+def test_partially_addressable_local(mesh42):
+    """Replicas for some of the groups only (JaxPP's single-process case)."""
+    s = MpmdSharding(mesh42, (0, 2, 3), P("data"))
+    value = _value()
+    r2 = jax.device_put(value, s.sharding_for(2))
+    a = MpmdArray([r2], s)
+    assert a.is_partially_addressable and a.is_mpmd_replicated
+    assert a.mpmd_idxs == frozenset({0, 2, 3})
+    assert a.partially_addressable_arrays == [r2] and a.local_arrays == {2: r2}
+    assert a.to_mpmd_local_array is r2  # one replica held: the array itself
+    assert a.first_mpmd_replica is None  # group 0's replica is not held
+    assert a.shape == (8, 6) and a.dtype == np.float32
+    assert a.sharding.mesh == _submesh(mesh42, (0, 2, 3))
+    np.testing.assert_array_equal(np.asarray(a), value)
+    r3 = jax.device_put(value, s.sharding_for(3))
+    b = MpmdArray([r3, r2], s)
+    assert b.to_mpmd_local_array == [r2, r3] and b.local_arrays == {2: r2, 3: r3}
+    b.delete()
+    assert b.is_deleted() and r2.is_deleted() and r3.is_deleted()
+
+
+def test_metadata_only_local(mesh42):
+    s = MpmdSharding(mesh42, (0, 2), P("data"))
+    with pytest.raises(ValueError, match="shape and dtype must be given"):
+        MpmdArray([], s, shape=(8, 6))
+    a = MpmdArray([], s, shape=(8, 6), dtype=np.float32)
+    assert not a.is_partially_addressable and a.is_mpmd_replicated
+    assert a.partially_addressable_arrays == [] and a.local_arrays == {}
+    assert a.to_mpmd_local_array is None and a.first_mpmd_replica is None
+    assert a.aval == jax.core.ShapedArray((8, 6), jnp.float32)
+    assert a.sharding.mesh == _submesh(mesh42, (0, 2))
+    assert len(a) == 8 and a.block_until_ready() is a
+    message = (r"needs the value of MpmdArray\(shape=\(8, 6\).*groups=\(0, 2\).*this "
+               r"process holds no replica of it \(metadata only.*mpmd_array_from_local")
+    for convert in (np.asarray, list, bool):
+        with pytest.raises(TypeError, match=message):
+            convert(a)
+    assert f"{a:.3f}" == repr(a)  # as a jax.Array on other processes' devices formats
+    assert not a.is_deleted()
+    a.delete()
+    assert a.is_deleted()
+
+
+# -- conversions, against numpy --------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.int32, np.bool_])
+def test_scalar_conversions(mesh42, dtype):
+    value = np.array(3.25).astype(dtype)
+    a = mpmd_array_from_local(mesh42, value, MpmdSharding(mesh42, (1, 3), P()))
+    assert f"{a:.3f}" == f"{value:.3f}"
+    assert f"{a}" == f"{value}" and f"{a:>8}" == f"{value:>8}"
+    assert int(a) == int(value) and float(a) == float(value)
+    assert complex(a) == complex(value) and bool(a) == bool(value)
+    if dtype == np.int32:
+        assert operator.index(a) == 3 and [10, 20, 30, 40][a] == 40
+        assert list(range(a)) == [0, 1, 2]
+    else:
+        with pytest.raises(TypeError, match="Only integer scalar arrays"):
+            operator.index(a)
+    with pytest.raises(TypeError, match="len\\(\\) of unsized object"):
+        len(a)
+    with pytest.raises(TypeError, match="iteration over a 0-d array"):
+        iter(a)
+
+
+def test_vector_conversions(mesh42):
+    value = np.array([1.5, -2.0, 0.25], np.float32)
+    a = mpmd_array_from_local(mesh42, value, MpmdSharding(mesh42, (2,), P()))
+    assert len(a) == 3
+    rows = list(a)
+    assert all(isinstance(r, jax.Array) and r.shape == () for r in rows)
+    np.testing.assert_array_equal([np.asarray(r) for r in rows], value)
+    assert f"{a}" == f"{value}"
+    for convert in (int, float, complex):
+        with pytest.raises(TypeError, match="Only scalar arrays"):
+            convert(a)
+    with pytest.raises(ValueError, match="truth value of an array with more than one"):
+        bool(a)
+    one = mpmd_array_from_local(mesh42, np.array([7], np.int32), MpmdSharding(mesh42, 0, P()))
+    assert len(one) == 1 and bool(one) and [int(r) for r in one] == [7]
+    copied = np.array(a, copy=True)
+    copied[0] = 9.0
+    np.testing.assert_array_equal(np.asarray(a), value)
+    assert np.asarray(a, dtype=np.float64).dtype == np.float64
+
+
+def test_conversions_read_the_lowest_held_replica(mesh42):
+    """Replicas are equal by construction; a conversion reads the lowest held group's."""
+    s = MpmdSharding(mesh42, (1, 2), P())
+    r1 = jax.device_put(np.float32(1.0), s.sharding_for(1))
+    r2 = jax.device_put(np.float32(2.0), s.sharding_for(2))
+    assert float(MpmdArray([r2, r1], s)) == 1.0
+    assert f"{MpmdArray([r2], s):.1f}" == "2.0"
 
 
 def test_from_local_checks_mesh(mesh42, mesh222):
@@ -207,8 +337,20 @@ def test_mpi_not_owned(mpi_mesh):
     assert a.to_mpmd_local_array is None and a.first_mpmd_replica is None
     assert a.shape == (8, 6) and a.dtype == np.float32
     assert a.block_until_ready() is a
-    with pytest.raises(TypeError, match=r"lives on groups \(0, 2\), not on this rank \(1\)"):
-        np.asarray(a)
+    message = (r"needs the value of MpmdArray\(shape=\(8, 6\).*which lives on groups "
+               r"\(0, 2\), not on this rank \(1\): read it on a rank of those groups.*"
+               r"mpmd_to_spmd_reshard")
+    for op, convert in [("np.asarray", np.asarray), ("iteration", list), ("bool", bool)]:
+        with pytest.raises(TypeError, match=re.escape(op) + ".*" + message):
+            convert(a)
+    assert len(a) == 8  # metadata, known everywhere
+    assert f"{a:.3f}" == repr(a)  # as a jax.Array on other processes' devices formats
+    scalar = MpmdArray([], MpmdSharding(mpi_mesh, 3, P()), shape=(), dtype=np.int32)
+    for op, convert in [("int", int), ("float", float), ("complex", complex),
+                        ("operator.index", operator.index)]:
+        with pytest.raises(TypeError, match=re.escape(op) + r"\(\) needs the value .*groups "
+                                            r"\(3,\), not on this rank \(1\)"):
+            convert(scalar)
     with pytest.raises(ValueError, match="rank 1 does not hold this value"):
         a.sharding
     assert "groups=(0, 2)" in repr(a)
@@ -235,6 +377,19 @@ def test_mpi_owned(mpi_mesh):
     np.testing.assert_array_equal(np.asarray(a), _value())
     with pytest.raises(ValueError, match=r"on rank 1 needs 1 local array\(s\)"):
         MpmdArray([local, local], s)
+    # A holding rank holds its replica (see Note: Array placement).
+    with pytest.raises(ValueError, match=r"on rank 1 needs 1 local array\(s\) .*got 0: a "
+                                         r"rank holds its group's replica exactly when"):
+        MpmdArray([], s, shape=(8, 6), dtype=np.float32)
+    elsewhere = jax.device_put(_value(), NamedSharding(
+        Mesh(np.array(jax.devices()[:2]), ("data",)), P("data")))
+    with pytest.raises(ValueError, match=r"local array 0 is on devices \[0, 1\], not on the "
+                                         r"devices of one group .* on rank 1 \(group 1: "
+                                         r"\[2, 3\]\)"):
+        MpmdArray([elsewhere], s)
+    value = np.float32(2.5)
+    b = mpmd_array_from_local(mpi_mesh, value, MpmdSharding(mpi_mesh, (1, 3), P()))
+    assert f"{b:.3f}" == f"{value:.3f}" and float(b) == 2.5 and bool(b)
 
 
 def test_mpi_owned_not_first(mpi_mesh):

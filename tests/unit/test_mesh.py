@@ -11,7 +11,8 @@ from jax.sharding import AxisType, Mesh
 
 from jaxpp_mpi._src import mesh as mesh_mod
 from jaxpp_mpi._src.launch.env import WORLD_SIZE_VARS
-from jaxpp_mpi._src.mesh import MpmdMesh, make_mpmd_mesh
+from jaxpp_mpi._src.make_mesh import make_mpmd_mesh
+from jaxpp_mpi._src.mesh import MpmdMesh
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,22 +62,29 @@ def test_local_mode_groups(shape, names, axis):
         assert g.axis_names == rest
         np.testing.assert_array_equal(g.devices, np.take(jmesh.devices, i, axis=pos))
         assert mm.devices_of(i) == tuple(np.take(jmesh.devices, i, axis=pos).flat)
-    assert [g.devices.tolist() for g in mm.unstack] == [
-        mm.group_mesh(i).devices.tolist() for i in range(n)]
     assert mm.lowering_mesh() == mm.group_mesh(0)
     # Groups partition the devices.
     all_ids = sorted(d.id for i in range(n) for d in mm.devices_of(i))
     assert all_ids == list(range(8))
 
 
-def test_local_submesh():
+def test_local_submesh(monkeypatch):
+    monkeypatch.setattr(mesh_mod, "_default_comm", lambda: pytest.fail("dup called"))
     jmesh = _mesh((4, 2), ("stage", "data"))
     mm = MpmdMesh(jmesh, "stage")
-    sub = mm.mpmd_submesh([1, 3])
-    assert sub.axis_names == ("stage", "data")
-    assert dict(sub.shape) == {"stage": 2, "data": 2}
-    np.testing.assert_array_equal(sub.devices, jmesh.devices[[1, 3]])
-    assert dict(mm.mpmd_submesh((2,)).shape) == {"stage": 1, "data": 2}
+    sub = mm.mpmd_submesh([3, 1])
+    assert isinstance(sub, MpmdMesh) and sub.is_local and sub.mpmd_dim == 2
+    assert sub.jax_mesh.axis_names == ("stage", "data")
+    assert dict(sub.jax_mesh.shape) == {"stage": 2, "data": 2}
+    np.testing.assert_array_equal(sub.jax_mesh.devices, jmesh.devices[[3, 1]])
+    assert sub == MpmdMesh(Mesh(jmesh.devices[[3, 1]], ("stage", "data")), "stage")
+    assert sub.group_mesh(0) == mm.group_mesh(3) and sub.group_mesh(1) == mm.group_mesh(1)
+    assert sub.mpmd_submesh([1]) == mm.mpmd_submesh((1,))
+    one = mm.mpmd_submesh((2,))  # one group, still local: no communicator is made
+    assert one.is_local and one.mpmd_dim == 1 and one.comm is None
+    assert dict(one.jax_mesh.shape) == {"stage": 1, "data": 2}
+    assert one.devices_of(0) == tuple(jmesh.devices[2])
+    assert mm.mpmd_submesh(range(4)) == mm
     with pytest.raises(ValueError, match="distinct"):
         mm.mpmd_submesh([1, 1])
     with pytest.raises(ValueError, match="distinct"):
@@ -169,14 +177,8 @@ def test_mpi_mode(with_axis):
         mm.group_mesh(0)
     with pytest.raises(ValueError, match="group 3 lives on MPI rank 3"):
         mm.devices_of(3)
-    with pytest.raises(ValueError, match="only a local-mode mesh"):
-        mm.unstack
     sub = mm.mpmd_submesh((1,))
-    assert dict(sub.shape) == {"stage": 1, "data": 2}
-    with pytest.raises(ValueError, match="spans several MPI ranks"):
-        mm.mpmd_submesh((0, 1))
-    with pytest.raises(ValueError, match="lives on MPI rank 0"):
-        mm.mpmd_submesh((0,))
+    assert dict(sub.jax_mesh.shape) == {"stage": 1, "data": 2}
     assert "mpi, rank=1" in repr(mm)
 
 
@@ -186,6 +188,164 @@ def test_mpi_mode_equality_depends_on_rank():
     b = MpmdMesh(jmesh, "stage", comm=FakeComm(0, 2))
     c = MpmdMesh(jmesh, "stage", comm=FakeComm(1, 2))
     assert a == b and hash(a) == hash(b) and a != c
+
+
+# -- JaxPP's views: mpmd_axis, unstack, device maps, submeshes, `with` ----------------
+
+
+@pytest.mark.parametrize("shape,names,axis", LOCAL_LAYOUTS)
+def test_local_views(shape, names, axis):
+    jmesh = _mesh(shape, names)
+    mm = MpmdMesh(jmesh, axis)
+    pos = names.index(axis)
+    assert mm.mpmd_axis == pos
+    assert len(mm.device_coords) == len(mm.device_mpmd_idx) == 8
+    for coord, device in np.ndenumerate(jmesh.devices):
+        assert mm.device_coords[device] == coord
+        assert mm.device_mpmd_idx[device] == coord[pos]
+    assert len(mm.unstack) == mm.mpmd_dim
+    for i, m in enumerate(mm.unstack):
+        assert m.axis_names == names and m.axis_types == jmesh.axis_types
+        np.testing.assert_array_equal(m.devices, np.take(jmesh.devices, [i], axis=pos))
+        assert mm.mpmd_idx_for_mesh[m] == i == mm.mpmd_idx_for_mesh[mm.group_mesh(i)]
+    assert len(mm.mpmd_idx_for_mesh) == 2 * mm.mpmd_dim
+    assert mm.mpmd_idx_for_mesh.get(jmesh) is None
+    with pytest.raises(ValueError, match="my_mpmd_group_mesh needs an MPI-mode mesh"):
+        mm.my_mpmd_group_mesh
+
+
+def test_views_as_in_jaxpp_test():
+    # JaxPP's tests/test_mpmd_mesh.py, on CPU devices.
+    devices = jax.devices()
+    names = ("stage", "data", "sequence", "tensor", "expert")
+    mm = MpmdMesh(Mesh(np.array(devices).reshape((4, 2, 1, 1, 1)), names), "stage")
+    assert mm.mpmd_axis == 0
+    assert mm.device_coords[devices[0]] == (0, 0, 0, 0, 0)
+    assert mm.device_coords[devices[1]] == (0, 1, 0, 0, 0)
+    assert mm.device_coords[devices[7]] == (3, 1, 0, 0, 0)
+    for idx, m in enumerate(mm.unstack):
+        assert m.axis_names == names and m.devices.shape == (1, 2, 1, 1, 1)
+        np.testing.assert_array_equal(
+            m.device_ids, np.arange(2 * idx, 2 * idx + 2).reshape(1, 2, 1, 1, 1))
+
+
+def test_unknown_device_lookup():
+    mm = MpmdMesh(_mesh((2, 2), ("stage", "data")), "stage")
+    with pytest.raises(KeyError, match="not a device of this mesh"):
+        mm.device_coords[jax.devices()[5]]
+    assert jax.devices()[5] not in mm.device_mpmd_idx
+
+
+def test_context_manager_is_jaxpp_mesh_stack():
+    a = MpmdMesh(_mesh((4, 2), ("stage", "data")), "stage")
+    b = MpmdMesh(_mesh((2, 4), ("stage", "data")), "stage")
+    before = list(MpmdMesh.mesh_stack)
+    with a as entered:
+        assert entered is a and MpmdMesh.mesh_stack[-1] is a
+        with b:
+            assert MpmdMesh.mesh_stack[-2:] == [a, b]
+        assert MpmdMesh.mesh_stack[-1] is a
+        # Like JaxPP's, it sets no JAX mesh: jit and device_put are unaffected.
+        assert jax.sharding.get_abstract_mesh().empty
+        np.testing.assert_array_equal(jax.jit(lambda x: 2 * x)(np.arange(3)), [0, 2, 4])
+    assert MpmdMesh.mesh_stack == before
+    with pytest.raises(ZeroDivisionError), a:
+        1 / 0
+    assert MpmdMesh.mesh_stack == before
+    a.__enter__()
+    with pytest.raises(RuntimeError, match="not the innermost mesh entered"):
+        b.__exit__(None, None, None)
+    a.__exit__(None, None, None)
+    assert MpmdMesh.mesh_stack == before
+
+
+@pytest.mark.parametrize("names,shape", [(("stage", "data"), (1, 2)),
+                                         (("data", "stage"), (2, 1)),
+                                         (("data",), (2,))])
+def test_mpi_mode_views(names, shape):
+    devices = jax.devices()[2:4]
+    jmesh = Mesh(np.array(devices).reshape(shape), names)
+    mm = MpmdMesh(jmesh, "stage", comm=FakeComm(rank=1, size=4))
+    pos = names.index("stage") if "stage" in names else 0
+    full = ("data",)[:pos] + ("stage",) + ("data",)[pos:]
+    assert mm.mpmd_axis == pos
+    # Coordinates in the whole (4-group) mesh; only this rank's devices are known.
+    want = {d: (1, j) if pos == 0 else (j, 1) for j, d in enumerate(devices)}
+    assert dict(mm.device_coords) == want
+    assert dict(mm.device_mpmd_idx) == {d: 1 for d in devices}
+    with pytest.raises(KeyError, match="knows only its own group's devices"):
+        mm.device_coords[jax.devices()[0]]
+    own = Mesh(np.array(devices).reshape((1, 2) if pos == 0 else (2, 1)), full)
+    assert mm.my_mpmd_group_mesh == own
+    assert len(mm.unstack) == 4 and mm.unstack[1] == own and mm.unstack[-3] == own
+    with pytest.raises(ValueError, match="group 0 lives on MPI rank 0; this is rank 1"):
+        mm.unstack[0]
+    with pytest.raises(ValueError, match="group 0 lives on MPI rank 0"):
+        list(mm.unstack)
+    with pytest.raises(IndexError):
+        mm.unstack[4]
+    assert mm.unstack[1:2] == [own]
+    assert mm.mpmd_idx_for_mesh == {own: 1, mm.group_mesh(1): 1}
+
+
+def test_mpi_submesh_member():
+    devices = jax.devices()[2:4]
+    comm = FakeComm(rank=1, size=4)
+    mm = MpmdMesh(Mesh(np.array(devices), ("data",)), "stage", comm=comm)
+    sub = mm.mpmd_submesh([2, 1])
+    assert not sub.is_local and sub.mpmd_dim == 2
+    assert sub.my_mpmd_axis_index == 1 and sub.local_groups == (1,)
+    assert sub.jax_mesh == mm.my_mpmd_group_mesh == sub.my_mpmd_group_mesh
+    assert sub.group_mesh(1) == mm.group_mesh(1) == sub.lowering_mesh()
+    assert sub.group_shape == {"data": 2} and sub.group_size == 2
+    assert dict(sub.device_coords) == {d: (1, j) for j, d in enumerate(devices)}
+    with pytest.raises(ValueError, match="group 0 lives on MPI rank 2; this is rank 1"):
+        sub.group_mesh(0)
+    with pytest.raises(ValueError, match=r"submesh of MPI ranks \[2, 1\].*no communicator"):
+        sub.comm
+    assert "groups on ranks [2, 1]" in repr(sub)
+    assert sub == mm.mpmd_submesh((2, 1)) and sub != mm.mpmd_submesh((1, 2))
+    # Back to every rank in order: a communicator again.
+    again = sub.mpmd_submesh([1, 0]).mpmd_submesh([0])
+    assert again.mpmd_dim == 1 and again.my_mpmd_axis_index == 0
+    with pytest.raises(ValueError, match="no communicator"):
+        again.comm
+    with pytest.raises(ValueError, match="no communicator"):
+        mm.mpmd_submesh([0, 1]).comm  # ranks 0 and 1 in order, but not every rank
+    whole = mm.mpmd_submesh([0, 1, 2, 3])
+    assert whole.comm is comm and whole.my_mpmd_axis_index == 1
+    assert whole.jax_mesh == mm.my_mpmd_group_mesh
+
+
+def test_mpi_submesh_non_member():
+    mm = MpmdMesh(Mesh(np.array(jax.devices()[2:4]), ("data",)), "stage",
+                  comm=FakeComm(rank=1, size=4))
+    sub = mm.mpmd_submesh([0, 2])
+    assert sub.mpmd_dim == 2 and sub.my_mpmd_axis_index is None
+    assert sub.local_groups == () and sub.group_shape == {"data": 2}
+    assert len(sub.device_coords) == 0 and sub.mpmd_idx_for_mesh == {}
+    no_devices = r"holds no devices on this rank \(1\): its groups live on MPI ranks \[0, 2\]"
+    for attr in ("jax_mesh", "my_mpmd_group_mesh"):
+        with pytest.raises(ValueError, match=no_devices):
+            getattr(sub, attr)
+    with pytest.raises(ValueError, match=no_devices):
+        sub.lowering_mesh()
+    with pytest.raises(ValueError, match="group 1 lives on MPI rank 2; this is rank 1, "
+                                         "which holds none of the groups"):
+        sub.group_mesh(1)
+    with pytest.raises(ValueError, match="lives on MPI rank 0"):
+        sub.unstack[0]
+    assert sub.mpmd_submesh([1]).local_groups == ()
+    assert "groups on ranks [0, 2]" in repr(sub)
+
+
+@pytest.mark.parametrize("idxs,message", [
+    ([1, 1], "distinct"), ([], "distinct"), ([4], "out of range"), (["0"], "must be an int")])
+def test_submesh_bad_indexes_in_mpi_mode(idxs, message):
+    mm = MpmdMesh(Mesh(np.array(jax.devices()[:2]), ("data",)), "stage",
+                  comm=FakeComm(rank=0, size=4))
+    with pytest.raises((ValueError, TypeError), match=message):
+        mm.mpmd_submesh(idxs)
 
 
 # -- make_mpmd_mesh -------------------------------------------------------------------
@@ -265,7 +425,7 @@ def test_local_mode_does_not_import_mpi(tmp_path):
 
     code = (
         "import sys\n"
-        "from jaxpp_mpi._src.mesh import make_mpmd_mesh\n"
+        "from jaxpp_mpi._src.make_mesh import make_mpmd_mesh\n"
         "mm = make_mpmd_mesh((4, 2), ('stage', 'data'), 'stage')\n"
         "assert mm.is_local, mm\n"
         "assert not any(m.startswith('mpi4py') for m in sys.modules), 'mpi4py imported'\n"

@@ -110,7 +110,8 @@ def save(
                     raise CheckpointError(f"{fmt.format_key_path(p)} was deleted (donated?)")
                 placement = fmt.Placement(sharding.mesh_ids, fmt.encode_spec(sharding.spec))
                 if sharding.mesh_ids[0] in mesh.local_groups:
-                    mine.append((i, lambda x=x: np.asarray(x.first_mpmd_replica)))
+                    mine.append((i, lambda x=x, p=p: np.asarray(
+                        x._value_replica(f"saving {fmt.format_key_path(p)}"))))
             elif ranks.rank == 0:
                 mine.append((i, lambda x=x: np.asarray(x)))
             entries.append(fmt.LeafEntry(p, shape, fmt.dtype_name(dtype), fmt.leaf_file(i),

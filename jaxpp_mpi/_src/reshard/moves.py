@@ -206,7 +206,8 @@ class Mover:
     def to_spmd(self, f: Leaf, x: MpmdArray) -> jax.Array:
         target = f.spmd
         if self.mesh.is_local:
-            return self.meter.put(x.first_mpmd_replica, target)
+            # Any held replica will do (replicas are equal); none held: a clear error.
+            return self.meter.put(x._value_replica("mpmd_to_spmd_reshard"), target)
         me, owners, n, d = self.me, f.mpmd.mesh_ids, self.mesh.mpmd_dim, f.block_dim
         src = x.local_arrays.get(me)
         root, everywhere = owners[0], len(owners) == n

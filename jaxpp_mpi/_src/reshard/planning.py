@@ -85,7 +85,7 @@ def spmd_mesh(mpmd_mesh: MpmdMesh) -> Mesh:
     in MPI mode this rank's group mesh with the MPMD axis (size 1) in its place."""
     if mpmd_mesh.is_local:
         return mpmd_mesh.jax_mesh
-    return mpmd_mesh.mpmd_submesh((mpmd_mesh.my_mpmd_axis_index,))
+    return mpmd_mesh.mpmd_submesh((mpmd_mesh.my_mpmd_axis_index,)).jax_mesh
 
 
 # -- validation ---------------------------------------------------------------------

@@ -1,0 +1,114 @@
+"""`make_mpmd_mesh`: an `MpmdMesh` from the global mesh shape, like `jax.make_mesh`."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+from jax.sharding import AxisType
+
+from jaxpp_mpi._src import mesh as mesh_module  # its hooks, patched in tests
+from jaxpp_mpi._src.mesh import Comm, MpmdMesh
+
+__all__ = ["make_mpmd_mesh"]
+
+
+def make_mpmd_mesh(
+    axis_shapes: Sequence[int],
+    axis_names: Sequence[str],
+    mpmd_axis_name: str,
+    comm: Comm | None = None,
+    devices: Sequence[Any] | None = None,
+    *,
+    axis_types: tuple[AxisType, ...] | None = None,
+) -> MpmdMesh:
+    """Builds an `MpmdMesh` from the *global* mesh shape, like `jax.make_mesh`.
+
+    Local mode when no `comm` is given, the MPI job has one process, the MPMD axis is
+    larger than 1 and this process has all `prod(axis_shapes)` devices (the first ones
+    are used); mpi4py is not imported then. Otherwise MPI mode: rank `r` of `comm`
+    (default `collectives.world_dup()`) gets group `r`, built from its local devices.
+
+    Unlike `jax.make_mesh`, axes default to `AxisType.Auto`: stage executables are
+    partitioned by XLA's automatic sharding propagation.
+
+    Args:
+      axis_shapes: global axis sizes, MPMD axis included.
+      axis_names: axis names, one per size.
+      mpmd_axis_name: the axis that separates the groups.
+      comm: communicator for MPI mode (see Note: Default communicator).
+      devices: devices to use (local mode: at least the global count; MPI mode: this
+        rank's, exactly one group's worth). Defaults to `jax.devices()` /
+        `jax.local_devices()`.
+      axis_types: per-axis types; default all `AxisType.Auto`.
+
+    Returns:
+      The `MpmdMesh`.
+
+    Raises:
+      ValueError: malformed shape or names; the MPMD axis size differs from the number
+        of ranks; a rank's device count differs from one group's size. All are raised
+        on every rank alike: the first two depend only on arguments and the job size,
+        and the device counts are allgathered over `comm` (in MPI mode this function
+        is collective, like the `Dup` of the default communicator).
+    """
+    shape = tuple(int(s) for s in axis_shapes)
+    names = tuple(axis_names)
+    if len(shape) != len(names):
+        raise ValueError(f"axis_shapes {shape} and axis_names {names} differ in length")
+    if any(s < 1 for s in shape):
+        raise ValueError(f"axis sizes must be positive, got {shape}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"axis names must be distinct, got {names}")
+    if mpmd_axis_name not in names:
+        raise ValueError(
+            f"mpmd_axis_name {mpmd_axis_name!r} is not one of the axis names {names}"
+        )
+    if axis_types is None:
+        axis_types = (AxisType.Auto,) * len(names)
+    pos = names.index(mpmd_axis_name)
+    num_groups = shape[pos]
+    total = math.prod(shape)
+    group_devices = total // num_groups
+
+    world_size = mesh_module._mpi_world_size() if comm is None else int(comm.Get_size())
+    if comm is None and world_size == 1 and num_groups > 1:
+        available = list(jax.devices() if devices is None else devices)
+        if len(available) >= total:
+            mesh = jax.make_mesh(shape, names, axis_types, devices=available[:total])
+            return MpmdMesh(mesh, mpmd_axis_name)
+        raise ValueError(
+            f"mesh wants {num_groups} groups but the job has 1 rank: run with "
+            f"mpirun -n {num_groups} (launch/jpprun -n {num_groups}), or, in one process, "
+            f"provide {total} devices (this process has {len(available)}; e.g. "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={total} on CPU)."
+        )
+    if num_groups != world_size:
+        raise ValueError(
+            f"mesh wants {num_groups} groups (axis {mpmd_axis_name!r}) but the job has "
+            f"{world_size} ranks: run with mpirun -n {num_groups} "
+            f"(launch/jpprun -n {num_groups})."
+        )
+    local = list(jax.local_devices() if devices is None else devices)
+    if comm is None:
+        comm = mesh_module._default_comm()
+    # Every rank learns every rank's device count, so a wrong count on one rank raises
+    # on all of them (a communicator without allgather, e.g. a test double: this rank).
+    gather = getattr(comm, "allgather", None)
+    counts = list(gather(len(local))) if gather is not None else [len(local)]
+    wrong = [r for r, c in enumerate(counts) if c != group_devices]
+    if wrong:
+        group = ", ".join(f"{n!r}: {s}" for n, s in zip(names, shape) if n != mpmd_axis_name)
+        which = "" if len(wrong) == len(counts) else (
+            f" (rank(s) {wrong} have {[counts[r] for r in wrong]})")
+        raise ValueError(
+            f"each rank needs {group_devices} devices (group {{{group}}}), this rank has "
+            f"{len(local)}{which}: set XLA_FLAGS=--xla_force_host_platform_device_count="
+            f"{group_devices} on CPU, or CUDA_VISIBLE_DEVICES to {group_devices} GPUs per "
+            "rank, or pass devices= explicitly."
+        )
+    group_shape = tuple(1 if i == pos else s for i, s in enumerate(shape))
+    mesh = jax.make_mesh(group_shape, names, axis_types, devices=local)
+    return MpmdMesh(mesh, mpmd_axis_name, comm)
