@@ -89,8 +89,7 @@ class MpmdFunction:
         """Compiles for the signature of `args` (cached); returns the MpmdCompiled.
 
         Raises:
-          TypeError: an argument leaf is not an array (a str, an object, ...) or is a
-            typed PRNG key array.
+          TypeError: an argument leaf is not an array (a str, an object, ...).
           ValueError: a malformed `in_shardings` / `out_shardings` / `donate_argnums`,
             or a spec that does not fit its value on the group mesh.
           CompileError: the step cannot be pipelined (see `build_step`), or, in MPI

@@ -61,12 +61,13 @@ def spec_entries(spec: Any, what: str) -> Spec | None:
 
 
 def abstract(x: Any) -> jax.ShapeDtypeStruct:
-    """The shape, dtype and weak type of one argument leaf.
+    """The shape, dtype and weak type of one argument leaf (a typed PRNG key array's
+    dtype is its key dtype: `Note: keys as key data` in compiler/loop_tasks.py).
 
     Raises:
       TypeError: `x` is neither an array nor a number (a str, an arbitrary object, a
-        numpy array of strings or objects), or is a typed PRNG key array. The message
-        says what `x` is; ``signature` prefixes the leaf's path.
+        numpy array of strings or objects). The message says what `x` is;
+        `signature` prefixes the leaf's path.
     """
     if isinstance(x, (MpmdArray, jax.Array, jax.ShapeDtypeStruct)):
         weak = getattr(x, "weak_type", False)
@@ -83,14 +84,19 @@ def abstract(x: Any) -> jax.ShapeDtypeStruct:
         what = (f"a str ({x!r:.40})" if isinstance(x, str)
                 else f"an object of type {type(x).__qualname__}")
         raise TypeError(f"is {what}, not an array{NON_ARRAY_HINT}")
-    if not isinstance(out.dtype, np.dtype) and jax.dtypes.issubdtype(
-            out.dtype, jax.dtypes.extended):
-        raise TypeError(
-            f"is a typed PRNG key array (dtype {out.dtype}); jaxpp_mpi places and sends "
-            "plain arrays only: pass jax.random.key_data(key) and rebuild the key inside "
-            "the step with jax.random.wrap_key_data"
-        )
+    if _is_extended(out.dtype) and not jax.dtypes.issubdtype(out.dtype, jax.dtypes.prng_key):
+        raise TypeError(f"has dtype {out.dtype}; jaxpp_mpi takes arrays of numpy dtypes "
+                        "and typed PRNG key arrays only")
     return out
+
+
+def _is_extended(dtype: Any) -> bool:
+    return not isinstance(dtype, np.dtype) and jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
+
+
+def _dtype_name(dtype: Any) -> str:
+    """'float32', or a key dtype's name ('key<fry>')."""
+    return str(dtype) if _is_extended(dtype) else np.dtype(dtype).name
 
 
 NON_ARRAY_HINT = (
@@ -161,13 +167,13 @@ def signature(args: tuple) -> tuple:
         spec = list(x.spec) if isinstance(x, MpmdArray) else []
         while spec and spec[-1] is None:
             spec.pop()
-        sig.append((a.shape, np.dtype(a.dtype).name, a.weak_type, tuple(spec)))
+        sig.append((a.shape, _dtype_name(a.dtype), a.weak_type, tuple(spec)))
     return tree, tuple(sig)
 
 
 def describe_leaves(args: tuple, sig: tuple) -> list[str]:
     """One line per argument leaf: path, dtype, shape, weak type and spec (from the
     signature `sig` of `args`), as ranks compare them."""
-    return [f"{a} {np.dtype(d).name}{list(s)}{' weak' if w else ''}"
+    return [f"{a} {d}{list(s)}{' weak' if w else ''}"
             f"{' spec ' + str(PartitionSpec(*p)) if p else ''}"
             for a, (s, d, w, p) in zip(paths(args), sig)]

@@ -29,6 +29,7 @@ from jaxpp_mpi._src import agree, compat
 from jaxpp_mpi._src.arguments import paths
 from jaxpp_mpi._src.array import MpmdArray, MpmdSharding, mpmd_array_from_local
 from jaxpp_mpi._src.compiler.build import StepPlan
+from jaxpp_mpi._src.compiler.loop_tasks import key_struct
 from jaxpp_mpi._src.errors import CompileError
 from jaxpp_mpi._src.ir.layouts import LayoutError, donation_pairs, infer_layouts
 from jaxpp_mpi._src.ir.program import Aval, GroupProgram, Program, Run
@@ -326,10 +327,10 @@ class MpmdCompiled:
         if owner is None or owner not in self.mesh.local_groups:
             return None
         if isinstance(x, MpmdArray):
-            local = x.local_arrays
-            if owner in local:
-                return local[owner]
-            return next(iter(local.values()))  # local mode: another group's replica
+            held = x.local_arrays.get(owner)
+            # Local mode: another group's replica (copied by the executor), or a clear
+            # error for an array that holds no data here.
+            return held if held is not None else x._value_replica(f"flat argument {k}")
         return x
 
     def _check_args(self, leaves: list, args: tuple) -> None:
@@ -373,7 +374,10 @@ class MpmdCompiled:
         n_consts = len(plan.consts)
         inputs = list(self._fixed)
         for j, x in enumerate(leaves):
-            inputs[n_consts + j] = self._arg_for_owner(x, n_consts + j)
+            x = self._arg_for_owner(x, n_consts + j)
+            if x is not None and plan.key_args[j]:  # `Note: keys as key data`
+                x = jax.random.key_data(x)
+            inputs[n_consts + j] = x
         with jax.set_mesh(None):  # the executables run on their groups' devices
             replicas = self._executor.run_replicas(inputs)
         outs = []
@@ -382,7 +386,12 @@ class MpmdCompiled:
             if desc[0] == "lit":
                 outs.append(mpmd_array_from_local(self.mesh, desc[1], sharding))
                 continue
-            held = replicas[k]
-            outs.append(MpmdArray._trusted([held[g] for g in self._local_holders[k]],
-                                           sharding, aval.shape, np.dtype(aval.dtype)))
+            held = [replicas[k][g] for g in self._local_holders[k]]
+            impl = plan.key_outputs[k]
+            if impl is None:
+                outs.append(MpmdArray._trusted(held, sharding, aval.shape, np.dtype(aval.dtype)))
+                continue
+            key = key_struct(aval.shape, impl)  # `Note: keys as key data`
+            held = [jax.random.wrap_key_data(a, impl=impl) for a in held]
+            outs.append(MpmdArray._trusted(held, sharding, key.shape, key.dtype))
         return jax.tree.unflatten(plan.out_tree, outs)

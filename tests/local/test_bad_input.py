@@ -79,13 +79,6 @@ def test_non_array_argument(leaf, message):
     assert "functools.partial" in str(info.value)
 
 
-def test_typed_prng_key_argument():
-    """A typed PRNG key cannot be placed or sent: rejected, pointing to key_data."""
-    with pytest.raises(TypeError, match=r"args\[2\] is a typed PRNG key array \(dtype "
-                                        r"key<fry>\).*jax.random.key_data"):
-        compile_step(*model(), jax.random.key(0))
-
-
 # ------------------------------------------------------------------ shardings
 
 
@@ -120,13 +113,6 @@ def test_result_that_is_not_an_array():
     with pytest.raises(TypeError, match=r"returned a value of type <class 'str'> at output "
                                         r"component \[2\], which is not a valid JAX type"):
         compile_step(extra=lambda p, b: "done")
-
-
-def test_result_that_is_a_typed_prng_key():
-    """A typed PRNG key result: CompileError pointing to key_data."""
-    with pytest.raises(jp.CompileError, match=r"returns a typed PRNG key array at "
-                                              r"result\[2\].*jax.random.key_data"):
-        compile_step(extra=lambda p, b: jax.random.key(0))
 
 
 # ------------------------------------------------------------------ microbatch counts

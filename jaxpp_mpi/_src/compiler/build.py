@@ -11,14 +11,22 @@ every rank, and each runtime compiles the executables of the groups it holds.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections import Counter
 from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+import jax
 from jax.extend import core as jex_core
 
 from jaxpp_mpi._src.compiler.homes import LoopHomes, assign_loop_homes, assign_outer_homes
-from jaxpp_mpi._src.compiler.loop_tasks import Exe, aval_of, build_loop_tasks
+from jaxpp_mpi._src.compiler.loop_tasks import (
+    Exe,
+    aval_of,
+    build_loop_tasks,
+    is_key,
+    key_impl,
+)
 from jaxpp_mpi._src.compiler.lower import build_program_with_names
 from jaxpp_mpi._src.compiler.outer import (
     OuterNames,
@@ -64,6 +72,10 @@ class StepPlan:
         (`out_shardings`) rather than left to the producer (`Note: layouts`).
       donated: per flat argument, whether the user lets the step reuse its buffer.
       out_tree: the result's pytree structure.
+      key_args: per flat argument, whether it is a typed PRNG key (the program takes
+        its key data: `Note: keys as key data`).
+      key_outputs: per flat step output, the PRNG implementation of a key result
+        (the program returns its key data), else None.
     """
 
     program: Program
@@ -80,6 +92,8 @@ class StepPlan:
     output_fixed: tuple[bool, ...]
     donated: tuple[bool, ...]
     out_tree: Any
+    key_args: tuple[bool, ...] = ()
+    key_outputs: tuple[str | None, ...] = ()
 
     @property
     def num_groups(self) -> int:
@@ -109,6 +123,25 @@ class _Inputs(NamedTuple):
     avals: list[Aval]  # per flat input
     owner: list[int | None]  # per flat input
     mb_inputs: list[tuple[int, int, int]]  # (flat input index, group, microbatch)
+
+
+def _has_key(x: Any) -> bool:
+    return hasattr(x, "dtype") and is_key(x.dtype)
+
+
+def _keys_out(fun: Callable) -> tuple[Callable, list[str | None]]:
+    """`fun` returning key data for its key results (`Note: keys as key data`), and the
+    list that tracing it fills with each flat result's PRNG implementation (or None)."""
+    impls: list[str | None] = []
+
+    @functools.wraps(fun)
+    def plain(*args):
+        leaves, tree = jax.tree.flatten(fun(*args))
+        impls[:] = [key_impl(x.dtype) if _has_key(x) else None for x in leaves]
+        return jax.tree.unflatten(
+            tree, [jax.random.key_data(x) if _has_key(x) else x for x in leaves])
+
+    return plain, impls
 
 
 def _check_schedule(schedule: Any, num_groups: int) -> None:
@@ -349,7 +382,9 @@ def build_step(
 
     Args:
       fun: the user's step; it calls treduce once.
-      args: its arguments (leaves: arrays or `jax.ShapeDtypeStruct`s).
+      args: its arguments (leaves: arrays or `jax.ShapeDtypeStruct`s); typed PRNG
+        keys among them and among its results travel as their key data (`Note: keys
+        as key data`).
       num_groups: the mesh's MPMD dimension.
       in_specs: per flat argument, its in-group spec entries (None: replicated).
       out_specs: per flat result, its in-group spec entries (None: replicated).
@@ -364,7 +399,8 @@ def build_step(
       CompileError: the step cannot be pipelined (no loop, two loops, a stage count
         the schedule does not have, a microbatch count it rejects, ...).
     """
-    traced = trace_step(fun, args, what=what, mesh=mesh)
+    plain_fun, key_outputs = _keys_out(fun)
+    traced = trace_step(plain_fun, args, what=what, mesh=mesh)
     jaxpr, loop, loop_index = traced.jaxpr, traced.loop, traced.loop_index
     params = loop.params
     schedule, n = params["schedule"], params["num_microbatches"]
@@ -414,7 +450,7 @@ def build_step(
         buffer_names=buffer_names,
         exes=tuple(exes),
         exe_avals=_exe_avals(tasks, avals),
-        consts=traced.consts,
+        consts=tuple(jax.random.key_data(c) if _has_key(c) else c for c in traced.consts),
         num_args=num_args,
         input_avals=tuple(inputs.avals),
         input_owner=tuple(inputs.owner),
@@ -424,4 +460,6 @@ def build_step(
         output_fixed=tuple(spec is not None for spec in options.out_specs),
         donated=tuple(options.donate),
         out_tree=traced.out_tree,
+        key_args=tuple(is_key(v.aval.dtype) for v in jaxpr.invars[num_consts:]),
+        key_outputs=tuple(key_outputs),
     )

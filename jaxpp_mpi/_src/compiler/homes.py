@@ -114,7 +114,7 @@ def _is_var(x) -> bool:
 
 def _nbytes(v) -> int:
     aval = v.aval
-    return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
+    return int(np.prod(aval.shape, dtype=np.int64)) * aval.dtype.itemsize  # keys too
 
 
 def assign_outer_homes(

@@ -24,7 +24,7 @@ from jax.extend import core as jex_core
 
 from jaxpp_mpi._src.compiler.homes import OuterHomes
 from jaxpp_mpi._src.compiler.jaxpr_util import new_jaxpr
-from jaxpp_mpi._src.compiler.loop_tasks import Exe
+from jaxpp_mpi._src.compiler.loop_tasks import Exe, key_boundary, replayable
 from jaxpp_mpi._src.compiler.task_graph import Value
 
 __all__ = [
@@ -196,10 +196,12 @@ def segment_exe(seg: Segment, export: list, donate_argnums: tuple[int, ...] = ()
       donate_argnums: which of its inputs it may donate.
 
     Returns:
-      The Exe mapping the values of `seg.in_vars` to those of `export`.
+      The Exe mapping the values of `seg.in_vars` to those of `export` (keys as their
+      key data: `Note: keys as key data`).
     """
     jaxpr = new_jaxpr(seg.in_vars, export, seg.eqns, name=f"{seg.task_name} segment")
-    run = jex_core.jaxpr_as_fun(jex_core.ClosedJaxpr(jaxpr, []))
+    run = key_boundary(jex_core.jaxpr_as_fun(jex_core.ClosedJaxpr(replayable(jaxpr), [])),
+                       [v.aval for v in seg.in_vars], [v.aval for v in export])
 
     def fn(*args):
         return tuple(run(*args))

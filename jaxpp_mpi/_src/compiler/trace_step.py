@@ -43,18 +43,6 @@ class TracedStep:
         return self.jaxpr.eqns[self.loop_index]
 
 
-def _check_results(out_shape: Any, what: str) -> None:
-    """Raises CompileError for a result the runtimes cannot place: a typed PRNG key."""
-    for path, leaf in jax.tree_util.tree_flatten_with_path(out_shape)[0]:
-        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.extended):
-            raise CompileError(
-                f"{what} returns a typed PRNG key array at result{jax.tree_util.keystr(path)} "
-                f"(dtype {leaf.dtype}); jaxpp_mpi places and sends plain arrays only: "
-                "return jax.random.key_data(key) and rebuild the key with "
-                "jax.random.wrap_key_data"
-            )
-
-
 def _traced(fun: Callable, args: Sequence[Any], mesh: MpmdMesh | None,
             what: str) -> tuple[jex_core.ClosedJaxpr, Any]:
     """`jax.make_jaxpr(fun, return_shape=True)(*args)`, under `mesh` when given, with its
@@ -97,12 +85,10 @@ def trace_step(fun: Callable, args: Sequence[Any], *, what: str = "the step",
 
     Raises:
       CompileError: no treduce, several, or one that cannot be reached (inside lax
-        control flow); a result that is a typed PRNG key array; a sharding
-        constraint no group can apply (see `retarget_jaxpr`).
+        control flow); a sharding constraint no group can apply (see `retarget_jaxpr`).
       TypeError: a result that is not an array (from `jax.make_jaxpr`).
     """
     closed, out_shape = _traced(fun, args, mesh, what)
-    _check_results(out_shape, what)
     jaxpr = inline_calls(closed.jaxpr)
     nested = nested_treduce_errors(jaxpr)
     if nested:
