@@ -195,3 +195,26 @@ def megatron_specs(model: str, params, batch):
     for block in pspecs["blocks"]:
         block.update(qkv=column, up=column, proj=row, down=row)
     return pspecs, jax.tree.map(lambda _: P(None, "data"), batch)
+
+
+def constrained_mlp_loss(constrain):
+    """`mlp`'s loss with every stage's activation passed through `constrain`."""
+
+    def loss_fn(params, mb):
+        x, y = mb
+        for w, b in params:
+            x = jaxpp_mpi.mark_stage_end(constrain(jnp.tanh(x @ w + b)))
+        return jnp.mean((x - y) ** 2), {"max": jnp.max(x)}
+
+    return loss_fn
+
+
+def data_constraint(kind: str, mesh):
+    """`with_sharding_constraint` splitting rows over "data": with a NamedSharding on
+    `mesh` ("named") or a bare PartitionSpec ("bare")."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    if kind == "named":
+        return lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P("data")))
+    return lambda x: jax.lax.with_sharding_constraint(x, P("data"))

@@ -18,7 +18,15 @@ import pytest
 from jax.extend import core as jex_core
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-from models import assert_close_to_reference, make_step, mlp, run_steps, schedule
+from models import (
+    assert_close_to_reference,
+    constrained_mlp_loss,
+    data_constraint,
+    make_step,
+    mlp,
+    run_steps,
+    schedule,
+)
 
 import jaxpp_mpi as jp
 from jaxpp_mpi._src.errors import CompileError
@@ -39,28 +47,10 @@ def _mesh(axis_types: str) -> Mesh:
     return jax.make_mesh((2, 2), AXES, axis_types=AUTO, devices=devices)
 
 
-def _loss(constrain):
-    """mlp's loss (models.mlp) with every stage's activation passed through `constrain`."""
-
-    def loss_fn(params, mb):
-        x, y = mb
-        for w, b in params:
-            x = jp.mark_stage_end(constrain(jnp.tanh(x @ w + b)))
-        return jnp.mean((x - y) ** 2), {"max": jnp.max(x)}
-
-    return loss_fn
-
-
-def _constraint(kind: str, mesh: Mesh):
-    if kind == "named":
-        return lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P("data")))
-    return lambda x: jax.lax.with_sharding_constraint(x, P("data"))
-
-
 def _reference(sched, opt_state, params, batch, mesh: Mesh):
     """Three steps under jax.jit on group 0's devices, the constraint on that group."""
     group0 = Mesh(mesh.devices[0], ("data",), axis_types=(AxisType.Auto,))
-    step, _ = make_step(_loss(_constraint("named", group0)), sched)
+    step, _ = make_step(constrained_mlp_loss(data_constraint("named", group0)), sched)
     return run_steps(jax.jit(step), opt_state, params, batch)
 
 
@@ -81,7 +71,7 @@ def test_constraint_is_honoured(axis_types, kind, context):
     mesh = _mesh(axis_types)
     sched = schedule("1f1b", 2)
     params, batch, _ = mlp(sched.num_stages, 4, width=WIDTH, rows=ROWS)
-    step, optimizer = make_step(_loss(_constraint(kind, mesh)), sched)
+    step, optimizer = make_step(constrained_mlp_loss(data_constraint(kind, mesh)), sched)
     opt_state = optimizer.init(params)
     pipelined = jp.mpmd_jit_with_loop(step, mpmd_mesh=jp.MpmdMesh(mesh, "stage"))
     if context == "user_mesh":
@@ -103,7 +93,7 @@ def test_explicit_named_sharding_says_what_to_do():
     mesh = _mesh("explicit")
     sched = schedule("1f1b", 2)
     params, batch, _ = mlp(sched.num_stages, 4, width=WIDTH, rows=ROWS)
-    step, optimizer = make_step(_loss(_constraint("named", mesh)), sched)
+    step, optimizer = make_step(constrained_mlp_loss(data_constraint("named", mesh)), sched)
     pipelined = jp.mpmd_jit_with_loop(step, mpmd_mesh=jp.MpmdMesh(mesh, "stage"))
     with pytest.raises(CompileError, match=r"Explicit mesh axis.*bare PartitionSpec"):
         pipelined.compile(optimizer.init(params), params, batch)

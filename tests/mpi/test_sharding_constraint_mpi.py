@@ -12,12 +12,18 @@ from __future__ import annotations
 import re
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType, Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
-from models import assert_close_to_reference, make_step, mlp, run_steps, schedule
+from jax.sharding import AxisType, Mesh
+from models import (
+    assert_close_to_reference,
+    constrained_mlp_loss,
+    data_constraint,
+    make_step,
+    mlp,
+    run_steps,
+    schedule,
+)
 from mpi4py import MPI
 
 import jaxpp_mpi
@@ -42,24 +48,6 @@ def _everywhere(ok: bool, detail: str = "") -> None:
     assert all(r[0] for r in results), results
 
 
-def _loss(constrain):
-    """mlp's loss (models.mlp) with every stage's activation passed through `constrain`."""
-
-    def loss_fn(params, mb):
-        x, y = mb
-        for w, b in params:
-            x = jaxpp_mpi.mark_stage_end(constrain(jnp.tanh(x @ w + b)))
-        return jnp.mean((x - y) ** 2), {"max": jnp.max(x)}
-
-    return loss_fn
-
-
-def _constraint(kind: str, mesh: Mesh):
-    if kind == "named":
-        return lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P("data")))
-    return lambda x: jax.lax.with_sharding_constraint(x, P("data"))
-
-
 def _dot_rows(hlo: str) -> set[int]:
     """The leading dimension of every f32[rows, WIDTH] dot in an optimized HLO text."""
     return {int(m) for m in re.findall(rf"= f32\[(\d+),{WIDTH}\]\S* dot\(", hlo)}
@@ -77,7 +65,7 @@ def test_sharding_constraint_is_honoured(meshes, axis_types, kind, context):
     mesh = mpmd_mesh.jax_mesh  # this rank's group mesh, with the MPMD axis of size 1
     sched = schedule("1f1b", SIZE)
     params, batch, _ = mlp(sched.num_stages, 2 * SIZE, width=WIDTH, rows=ROWS)
-    step, optimizer = make_step(_loss(_constraint(kind, mesh)), sched)
+    step, optimizer = make_step(constrained_mlp_loss(data_constraint(kind, mesh)), sched)
     opt_state = optimizer.init(params)
     pipelined = jaxpp_mpi.mpmd_jit_with_loop(step, mpmd_mesh=mpmd_mesh)
     if context == "user_mesh":
@@ -88,7 +76,7 @@ def test_sharding_constraint_is_honoured(meshes, axis_types, kind, context):
         compiled = pipelined.compile(opt_state, params, batch)
         outs = run_steps(compiled, opt_state, params, batch)
     devices = Mesh(np.array(jax.local_devices()), ("data",), axis_types=(AxisType.Auto,))
-    ref_step, _ = make_step(_loss(_constraint("named", devices)), sched)
+    ref_step, _ = make_step(constrained_mlp_loss(data_constraint("named", devices)), sched)
     reference = run_steps(jax.jit(ref_step), opt_state, params, batch)
     compared = assert_close_to_reference(reference, outs)
     # This rank's forward stage computes its matmul on ROWS / K rows per device.
@@ -102,7 +90,8 @@ def test_explicit_named_sharding_raises_on_every_rank(meshes):
     mpmd_mesh = meshes["explicit"]
     sched = schedule("1f1b", SIZE)
     params, batch, _ = mlp(sched.num_stages, 2 * SIZE, width=WIDTH, rows=ROWS)
-    step, optimizer = make_step(_loss(_constraint("named", mpmd_mesh.jax_mesh)), sched)
+    step, optimizer = make_step(
+        constrained_mlp_loss(data_constraint("named", mpmd_mesh.jax_mesh)), sched)
     pipelined = jaxpp_mpi.mpmd_jit_with_loop(step, mpmd_mesh=mpmd_mesh)
     with pytest.raises(CompileError, match=r"Explicit mesh axis.*bare PartitionSpec"):
         pipelined.compile(optimizer.init(params), params, batch)
