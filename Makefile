@@ -1,4 +1,5 @@
-# jaxpp_mpi — the two commands a new user runs: `make install`, then `make test`.
+# jaxpp_mpi — the two commands a new user runs: `make example` and `make test` (each installs
+# everything into .venv on first use; `make install` does only that).
 #
 # Knobs (make VAR=value):  PYTHON (interpreter for the venv), JAXPP_MPI_MPI=wheel|system,
 # JAXPP_MPI_CUDA=auto|off|on|/path, JAX_EXTRA=cpu|cuda12|cuda13 (see tools/install.sh);
@@ -18,7 +19,7 @@ MPI_PYTEST   = timeout -k 10 $(MPI_TIMEOUT) $(JPPRUN) -n $(1) python -m pytest t
 .PHONY: install test test-unit test-mpi test-slurm example bench lint clean
 
 install:
-	bash tools/install.sh
+	VENV=$(VENV) bash tools/install.sh
 
 test: lint test-unit test-mpi
 
@@ -52,8 +53,9 @@ bench: $(PY)
 lint: $(PY)
 	$(PY) -m ruff check jaxpp_mpi tests bench examples
 
+# The first command that needs the venv creates it.
 $(PY):
-	@echo "No virtual environment at $(VENV): run 'make install' first." >&2; exit 1
+	VENV=$(VENV) bash tools/install.sh
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .hypothesis
