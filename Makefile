@@ -12,7 +12,8 @@ MPI_TIMEOUT ?= 900
 PYTEST_ARGS ?=
 # Each MPI test run: pytest-mpi on every rank, a per-test timeout, a hard outer timeout;
 # a failure on any rank aborts the whole job (tests/conftest.py, "MPI harness"). The last
-# run gives every rank a group mesh of 2 devices (values move shard by shard).
+# run gives every rank a group mesh of 2 devices (values move shard by shard); the tests of
+# multi-device groups (`sharded_groups`) run there only: on one device they repeat the parity tests.
 MPI_PYTEST   = timeout -k 10 $(MPI_TIMEOUT) $(JPPRUN) -n $(1) python -m pytest tests/mpi \
                --with-mpi -p no:cacheprovider --timeout=300 --color=no -q $(PYTEST_ARGS)
 
@@ -27,8 +28,8 @@ test-unit: $(PY)
 	$(PY) -m pytest tests/unit tests/local tests/jobs -q $(PYTEST_ARGS)
 
 test-mpi: $(PY)
-	$(call MPI_PYTEST,2)
-	$(call MPI_PYTEST,4)
+	$(call MPI_PYTEST,2) -k "not sharded_groups"
+	$(call MPI_PYTEST,4) -k "not sharded_groups"
 	XLA_FLAGS=--xla_force_host_platform_device_count=2 $(call MPI_PYTEST,2) \
 	  -k "shard or mismatch or (parity and (1f1b or interleaved))"
 
