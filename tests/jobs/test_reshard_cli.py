@@ -137,3 +137,27 @@ def test_mismatched_plan_rejected_on_every_rank_with_nothing_written(tmp_path):
     assert "['embed']: the plan has shape [8, 5], the checkpoint [8, 4]" in text
     assert "arrays," not in out.stdout  # no progress: no data moved
     assert sorted(os.listdir(tmp_path)) == ["full", "plan.json"]
+
+
+def test_bad_checkpoint_is_one_clean_line_on_every_rank(tmp_path):
+    # A shape numpy cannot hold, its .npy header agreeing: before, a bare numpy ValueError
+    # with a traceback and MPI_Abort; now refused on the manifest, one line per rank, and
+    # the agreed exit status without MPI_Abort (python -m mpi4py aborts on any non-zero
+    # exit unless MPI was finalized).
+    src, dst = tmp_path / "bad", tmp_path / "out"
+    (src / "arrays").mkdir(parents=True)
+    with open(src / "arrays" / "000000.npy", "wb") as f:
+        np.lib.format.write_array_header_1_0(
+            f, {"descr": "<f4", "fortran_order": False, "shape": (0, 2**62)})
+    (src / "manifest.json").write_text(json.dumps({
+        "format": "jaxpp_mpi.checkpoint", "version": 1, "step": None, "mpmd_dim": None,
+        "leaves": [{"path": [["key", "a"]], "shape": [0, 2**62], "dtype": "float32",
+                    "file": "arrays/000000.npy", "placement": None}]}))
+    out = _reshard(2, "to-spmd", "--src", str(src), "--dst", str(dst))
+    text = out.stdout + out.stderr
+    assert out.returncode == 2, text
+    for rank in (0, 1):
+        assert (f"[rank {rank}] reshard: error: {src}/manifest.json: leaf 0: shape "
+                f"[0, {2**62}] is too large") in text
+    assert "Traceback" not in text and "MPI_ABORT" not in text
+    assert not dst.exists()

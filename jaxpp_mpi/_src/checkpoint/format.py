@@ -19,7 +19,14 @@ Note: Untrusted files.
   Manifests and plans are parsed as JSON and checked field by field; .npy files are read
   without pickle, and their header (dtype, shape, order) and byte size are checked
   against the manifest before any array is allocated. A file named in a manifest must
-  resolve (symlinks followed) to a regular file inside the checkpoint directory.
+  resolve (symlinks followed) to a regular file inside the checkpoint directory. Every
+  size that could drive an allocation is bounded before anything is allocated: the JSON
+  text (`MAX_JSON_BYTES`, which bounds the number of leaves), a path's depth and a
+  shape's rank (`MAX_NDIM`), a shape's byte size (`MAX_ARRAY_BYTES`, numpy's own limit,
+  and then the .npy file's size); key-path indexes allocate nothing here (`load_whole`
+  bounds the lists it rebuilds from them). Two leaves with the same path, or one leaf's
+  path inside another's (a leaf cannot also hold leaves), are refused. Every rejection
+  names the file and the leaf or field at fault.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ import json
 import math
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, BinaryIO
 
 import jax
 import ml_dtypes
@@ -42,6 +49,7 @@ FORMAT = "jaxpp_mpi.checkpoint"
 VERSION = 1
 MAX_JSON_BYTES = 64 << 20  # a manifest of a million leaves is ~200 MB; ours are far smaller
 MAX_NDIM = 64
+MAX_ARRAY_BYTES = int(np.iinfo(np.intp).max)  # numpy refuses larger arrays, even empty ones
 
 PathEntry = tuple[str, Any]  # ("key", str | int) | ("idx", int) | ("attr", str) | ("flat", int)
 KeyPath = tuple[PathEntry, ...]
@@ -104,26 +112,36 @@ def flatten_with_paths(tree: Any) -> tuple[list[KeyPath], list[Any], Any]:
 
 def _decode_key_path(raw: Any, where: str) -> KeyPath:
     if not isinstance(raw, list) or len(raw) > MAX_NDIM:
-        raise CheckpointError(f"{where}: path must be a list of [kind, key] pairs")
+        raise CheckpointError(
+            f"{where}: path must be a list of at most {MAX_NDIM} [kind, key] pairs, got "
+            f"{_clip(raw)}")
     out: list[PathEntry] = []
     for item in raw:
         if not (isinstance(item, list) and len(item) == 2):
-            raise CheckpointError(f"{where}: path entry {item!r} is not a [kind, key] pair")
+            raise CheckpointError(f"{where}: path entry {_clip(item)} is not a [kind, key] pair")
         kind, key = item
         ok = {
             "key": isinstance(key, str) or _is_int(key),
             "idx": _is_int(key) and key >= 0,
             "flat": _is_int(key) and key >= 0,
             "attr": isinstance(key, str),
-        }.get(kind, False)
+        }.get(kind, False) if isinstance(kind, str) else False
         if not ok:
-            raise CheckpointError(f"{where}: bad path entry {item!r}")
+            raise CheckpointError(
+                f"{where}: bad path entry {_clip(item)} (kinds: [\"key\", str or int], "
+                "[\"idx\", int >= 0], [\"flat\", int >= 0], [\"attr\", str])")
         out.append((kind, key))
     return tuple(out)
 
 
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _clip(raw: Any, limit: int = 80) -> str:
+    """`repr(raw)` cut to `limit` characters, for messages about untrusted values."""
+    text = repr(raw)
+    return text if len(text) <= limit else f"{text[:limit]}..."
 
 
 # -- dtypes -------------------------------------------------------------------------
@@ -140,9 +158,21 @@ def logical_dtype(name: Any) -> np.dtype:
     if isinstance(name, str) and name in _BITS_DTYPES:
         return np.dtype(getattr(ml_dtypes, name))
     raise CheckpointError(
-        f"unsupported dtype {name!r} (supported: "
+        f"unsupported dtype {_clip(name)} (supported: "
         f"{', '.join(sorted(_NUMPY_DTYPES | _BITS_DTYPES))})"
     )
+
+
+def decode_dtype(raw: Any, where: str) -> np.dtype:
+    """A manifest's or plan's `dtype` field, checked (`logical_dtype` naming `where`).
+
+    Raises:
+      CheckpointError: naming `where` and the field.
+    """
+    try:
+        return logical_dtype(raw)
+    except CheckpointError as e:
+        raise CheckpointError(f"{where}: dtype: {e}") from None
 
 
 def dtype_name(dtype: Any) -> str:
@@ -198,7 +228,7 @@ def spec_json(spec: Sequence[SpecEntry]) -> list:
 
 def _decode_spec(raw: Any, where: str) -> tuple[SpecEntry, ...]:
     if not isinstance(raw, list) or len(raw) > MAX_NDIM:
-        raise CheckpointError(f"{where}: spec must be a list")
+        raise CheckpointError(f"{where}: spec must be a list of at most {MAX_NDIM} entries")
     out: list[SpecEntry] = []
     for e in raw:
         if e is None or isinstance(e, str):
@@ -206,7 +236,7 @@ def _decode_spec(raw: Any, where: str) -> tuple[SpecEntry, ...]:
         elif isinstance(e, list) and all(isinstance(a, str) for a in e):
             out.append(tuple(e))
         else:
-            raise CheckpointError(f"{where}: bad spec entry {e!r}")
+            raise CheckpointError(f"{where}: bad spec entry {_clip(e)}")
     return tuple(out)
 
 
@@ -260,10 +290,35 @@ def leaf_file(index: int) -> str:
     return f"arrays/{index:06d}.npy"
 
 
-def decode_shape(raw: Any, where: str) -> tuple[int, ...]:
-    if not (isinstance(raw, list) and len(raw) <= MAX_NDIM
-            and all(_is_int(d) and d >= 0 for d in raw)):
-        raise CheckpointError(f"{where}: shape must be a list of non-negative ints")
+def decode_shape(raw: Any, where: str, itemsize: int = 1) -> tuple[int, ...]:
+    """A manifest's or plan's `shape` field, checked to describe an array numpy can hold.
+
+    Args:
+      raw: the JSON value.
+      where: the file and entry, for messages.
+      itemsize: bytes per element of the leaf's dtype.
+
+    Returns:
+      The shape.
+
+    Raises:
+      CheckpointError: not a list of at most `MAX_NDIM` non-negative ints, or a byte
+        size (zero dimensions left out, as numpy counts) above `MAX_ARRAY_BYTES`.
+    """
+    if not (isinstance(raw, list) and len(raw) <= MAX_NDIM and all(_is_int(d) for d in raw)):
+        raise CheckpointError(
+            f"{where}: shape must be a list of at most {MAX_NDIM} ints, got {_clip(raw)}")
+    negative = [d for d in raw if d < 0]
+    if negative:
+        raise CheckpointError(
+            f"{where}: shape {raw} has a negative dimension; shape must be a list of "
+            "non-negative ints")
+    nbytes = math.prod(d for d in raw if d) * itemsize
+    if nbytes > MAX_ARRAY_BYTES:
+        raise CheckpointError(
+            f"{where}: shape {raw} is too large: its non-zero dimensions times the "
+            f"{itemsize}-byte elements make {nbytes} bytes, above the {MAX_ARRAY_BYTES} "
+            "numpy allows any array (even an empty one)")
     return tuple(raw)
 
 
@@ -306,7 +361,7 @@ class Manifest:
         if raw.get("format") != FORMAT or raw.get("version") != VERSION:
             raise CheckpointError(
                 f"{where}: not a {FORMAT} version {VERSION} manifest (format="
-                f"{raw.get('format')!r}, version={raw.get('version')!r})"
+                f"{_clip(raw.get('format'))}, version={_clip(raw.get('version'))})"
             )
         step, dim, leaves = raw.get("step"), raw.get("mpmd_dim"), raw.get("leaves")
         if step is not None and not _is_int(step):
@@ -315,20 +370,25 @@ class Manifest:
             raise CheckpointError(f"{where}: mpmd_dim must be a positive int or null")
         if not isinstance(leaves, list):
             raise CheckpointError(f"{where}: leaves must be a list")
-        out, files, paths = [], set(), set()
+        out: list[LeafEntry] = []
+        files: dict[str, int] = {}
+        paths: dict[KeyPath, int] = {}
         for i, item in enumerate(leaves):
             at = f"{where}: leaf {i}"
             if not isinstance(item, dict):
                 raise CheckpointError(f"{at} is not an object")
             path = _decode_key_path(item.get("path"), at)
-            shape = decode_shape(item.get("shape"), at)
             dtype = item.get("dtype")
-            logical_dtype(dtype)
+            shape = decode_shape(item.get("shape"), at, decode_dtype(dtype, at).itemsize)
             file = check_relative_file(item.get("file"), at)
-            if file in files or path in paths:
-                raise CheckpointError(f"{at}: file or path repeats an earlier leaf's")
-            files.add(file)
-            paths.add(path)
+            if path in paths:
+                raise CheckpointError(f"{at}: path {format_key_path(path)} repeats leaf "
+                                      f"{paths[path]}'s; every leaf needs its own path")
+            if file in files:
+                raise CheckpointError(f"{at}: file {file!r} repeats leaf {files[file]}'s; "
+                                      "every leaf needs its own file")
+            files[file] = i
+            paths[path] = i
             placement = item.get("placement")
             if placement is not None:
                 if not isinstance(placement, dict):
@@ -336,7 +396,29 @@ class Manifest:
                 placement = Placement(decode_mesh_ids(placement.get("mesh_ids"), at, dim),
                                       _decode_spec(placement.get("spec"), at))
             out.append(LeafEntry(path, shape, dtype, file, placement))
+        _check_no_nested_paths(paths, where)
         return cls(tuple(out), step, dim)
+
+
+def _check_no_nested_paths(paths: dict[KeyPath, int], where: str) -> None:
+    """Refuses a leaf whose path lies inside another leaf's: a pytree leaf holds no
+    leaves, so no saved tree has both `['a']` and `['a']['b']` (nor a root leaf and others).
+
+    Args:
+      paths: each leaf's path and its index in the manifest.
+      where: the manifest, for messages.
+
+    Raises:
+      CheckpointError: naming both leaves.
+    """
+    for path, i in paths.items():
+        for depth in range(len(path)):
+            outer = paths.get(path[:depth])
+            if outer is not None:
+                raise CheckpointError(
+                    f"{where}: leaf {i}: path {format_key_path(path)} lies inside leaf "
+                    f"{outer}'s path {format_key_path(path[:depth])}; a leaf cannot also "
+                    "hold other leaves")
 
 
 def dump_with_list(head: str, key: str, items: list) -> str:
@@ -357,18 +439,46 @@ def _load_json(text: str | bytes, where: str) -> dict:
     return raw
 
 
+def read_at_most(f: BinaryIO, limit: int, chunk: int = 1 << 20) -> bytes:
+    """The bytes of `f` up to its end or to `limit` + 1 bytes, whichever comes first.
+
+    Reads chunk by chunk: one `f.read(limit + 1)` would allocate `limit` bytes even for a
+    small file, and a device or pipe (`/dev/zero`, `<(...)`) reports no size to trust.
+    """
+    parts, total = [], 0
+    while total <= limit:
+        part = f.read(min(chunk, limit + 1 - total))
+        if not part:
+            break
+        parts.append(part)
+        total += len(part)
+    return b"".join(parts)
+
+
 def read_json_file(file: str, what: str) -> str:
-    """The text of a small JSON file, size-checked before reading."""
+    """The text of a small JSON file, size-checked before reading.
+
+    Raises:
+      CheckpointError: naming `what` and `file`: missing, unreadable, larger than
+        `MAX_JSON_BYTES`, or not UTF-8 text.
+    """
     try:
         size = os.stat(file).st_size
         if size > MAX_JSON_BYTES:
             raise CheckpointError(f"{what} {file} is larger than {MAX_JSON_BYTES} bytes")
         with open(file, "rb") as f:
-            return f.read(MAX_JSON_BYTES + 1).decode("utf-8")
+            data = read_at_most(f, MAX_JSON_BYTES)
     except FileNotFoundError:
         raise CheckpointError(f"no {what} at {file}") from None
-    except UnicodeDecodeError:
-        raise CheckpointError(f"{what} {file} is not UTF-8 text") from None
+    except OSError as e:
+        raise CheckpointError(f"cannot read {what} {file}: {e.strerror or e}") from None
+    if len(data) > MAX_JSON_BYTES:
+        raise CheckpointError(f"{what} {file} is larger than {MAX_JSON_BYTES} bytes")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{what} {file} is not UTF-8 text (byte 0x{data[e.start]:02x} "
+                              f"at offset {e.start})") from None
 
 
 # -- .npy files ---------------------------------------------------------------------
@@ -398,14 +508,23 @@ def write_npy(file: str, value: np.ndarray) -> int:
     return int(value.nbytes)
 
 
-def read_npy(file: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+def read_npy(file: str, shape: tuple[int, ...], dtype: np.dtype,
+             leaf: str | None = None) -> np.ndarray:
     """Reads a stored leaf of logical `dtype` and `shape` (see Note: Untrusted files).
 
+    Args:
+      file: the .npy file.
+      shape: the leaf's shape in the manifest (checked by `decode_shape`).
+      dtype: the leaf's logical dtype in the manifest.
+      leaf: the leaf's key path as text, named in messages.
+
     Raises:
-      CheckpointError: the header or the file size disagree with `shape` / `dtype`.
+      CheckpointError: naming the file (and leaf): not a .npy file, or its header or
+        size disagree with the manifest's `shape` / `dtype`.
     """
     store = storage_dtype(dtype)
     fmt = np.lib.format
+    name = file if leaf is None else f"{file} (leaf {leaf})"
     with open(file, "rb") as f:
         try:
             version = fmt.read_magic(f)
@@ -416,22 +535,22 @@ def read_npy(file: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
             else:
                 raise ValueError(f"unsupported .npy version {version}")
         except (ValueError, SyntaxError) as e:
-            raise CheckpointError(f"{file}: not a valid .npy file ({e})") from None
+            raise CheckpointError(f"{name}: not a valid .npy file ({e})") from None
         file_shape, fortran, file_dtype = header
         if file_dtype != store or tuple(file_shape) != shape or fortran:
             raise CheckpointError(
-                f"{file}: holds {file_dtype.str}{list(file_shape)}"
-                f"{' (Fortran order)' if fortran else ''}, the manifest says "
+                f"{name}: holds {file_dtype.str}{list(file_shape)}"
+                f"{' (Fortran order)' if fortran else ''}, the manifest's dtype and shape say "
                 f"{dtype.name}{list(shape)} stored as {store.str}"
             )
         count = math.prod(shape)
         size = os.fstat(f.fileno()).st_size
         if size != f.tell() + count * store.itemsize:
             raise CheckpointError(
-                f"{file}: {size} bytes, expected {f.tell() + count * store.itemsize} for "
+                f"{name}: {size} bytes, expected {f.tell() + count * store.itemsize} for "
                 f"{dtype.name}{list(shape)}"
             )
         stored = np.fromfile(f, dtype=store, count=count)
     if stored.size != count:
-        raise CheckpointError(f"{file}: truncated while reading")
+        raise CheckpointError(f"{name}: truncated while reading")
     return from_storage(stored.reshape(shape), dtype)

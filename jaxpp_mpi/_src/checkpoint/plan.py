@@ -98,7 +98,7 @@ class Plan:
             shape, dtype = item.get("shape"), item.get("dtype")
             shape = None if shape is None else fmt.decode_shape(shape, at)
             if dtype is not None:
-                fmt.logical_dtype(dtype)
+                fmt.decode_dtype(dtype, at)
             entries.append(PlanEntry(path, fmt.decode_mesh_ids(item.get("mesh_ids"), at, dim),
                                      fmt._decode_spec(item.get("spec"), at), shape, dtype))
         return cls(axis, dim, tuple((a, s) for a, s in group), tuple(entries))

@@ -25,9 +25,10 @@ from jaxpp_mpi._src.checkpoint import store as ck
 from jaxpp_mpi._src.checkpoint.commit import Ranks, commit_checkpoint
 from jaxpp_mpi._src.checkpoint.format import CheckpointError, Manifest
 from jaxpp_mpi._src.checkpoint.plan import Plan
+from jaxpp_mpi._src.launch.env import WORLD_SIZE_VARS
 from jaxpp_mpi._src.mesh import _mpi_world_size
 
-__all__ = ["convert", "destination_manifest", "main"]
+__all__ = ["UsageError", "convert", "destination_manifest", "main"]
 
 KINDS = ("to-mpmd", "to-spmd", "repartition")
 MAX_PROBLEMS = 20
@@ -167,8 +168,22 @@ def _job_ranks() -> Ranks:
     return Ranks(agree.collectives().world_dup())
 
 
+class UsageError(Exception):
+    """Bad command-line arguments; reported on one line with exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UsageError(f"{message} (see {self.prog} --help)")
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
+    """The command line, parsed.
+
+    Raises:
+      UsageError: bad arguments (argparse's message and where to find help).
+    """
+    p = _Parser(
         prog="python -m jaxpp_mpi.reshard",
         description="Convert jaxpp_mpi checkpoints between a whole-model layout and "
                     "per-stage layouts; run under mpirun (one or more ranks).")
@@ -188,9 +203,37 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _agreed_exit(status: int) -> int:
+    """`status`, to return once every rank has reported the same user error.
+
+    Every rank has reached this point (the ranks agreed on the failure, or each parsed
+    the same bad command line), so in a launched job MPI is finalized here: `python -m
+    mpi4py`, which is how `launch/jpprun` starts Python, would otherwise turn the
+    non-zero exit into an `MPI_Abort` of the job. MPI is looked up, never imported, and
+    left alone in a process no launcher started (e.g. a test calling `main`).
+    """
+    mpi = sys.modules.get("mpi4py.MPI")
+    launched = any(name in os.environ for name in WORLD_SIZE_VARS)
+    if launched and mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        mpi.Finalize()
+    return status
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Runs the utility; returns the exit status (2 on a conversion error, on every rank)."""
-    args = parse_args(argv)
+    """Runs the utility (see Note: Reshard utility).
+
+    A user error (bad arguments, source, plan or destination, a failed copy) is printed
+    as one `error:` line on every rank, which all exit with status 2, without traceback
+    or `MPI_Abort`; an unexpected exception (a bug) keeps its traceback.
+
+    Returns:
+      The exit status: 0, or 2 on a user error, on every rank.
+    """
+    try:
+        args = parse_args(argv)
+    except UsageError as e:  # every rank parses the same command line
+        print(f"python -m jaxpp_mpi.reshard: error: {e}", file=sys.stderr, flush=True)
+        return _agreed_exit(2)
     ranks = _job_ranks()
     try:
         arrays, nbytes = convert(args.kind, args.src, args.dst, getattr(args, "plan", None),
@@ -198,7 +241,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (CheckpointError, OSError) as e:
         print(f"[rank {ranks.rank}] reshard: error: {e}", file=sys.stderr, flush=True)
         ranks.barrier()  # every rank has reported before the launcher ends the job
-        return 2
+        return _agreed_exit(2)
     if ranks.rank == 0:
         print(f"reshard: done, {arrays} arrays, {_mib(nbytes)} written to {args.dst}",
               flush=True)

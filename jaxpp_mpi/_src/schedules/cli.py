@@ -242,7 +242,16 @@ def _from_trace(args: argparse.Namespace) -> None:
         raise UsageError("give either a schedule or --from-trace, not both")
     if not args.png:
         raise UsageError("--from-trace draws a chart: give --png OUT")
-    trace = load_trace(args.from_trace)
+    if not os.path.isfile(args.from_trace):  # a directory or a device (/dev/zero): no trace
+        what = "is not a regular file" if os.path.exists(args.from_trace) else "does not exist"
+        raise UsageError(f"--from-trace: {args.from_trace} {what}")
+    try:
+        trace = load_trace(args.from_trace)
+    except UnicodeDecodeError as e:
+        raise UsageError(
+            f"--from-trace: {args.from_trace} is not UTF-8 text (byte 0x{e.object[e.start]:02x} "
+            f"at offset {e.start}); give the JSON trace written by jaxpp_mpi.trace.export"
+        ) from None
     chart = gantt.trace_chart(trace, title=f"measured: {os.path.basename(args.from_trace)}")
     span = max((c.end for c in chart.cells), default=0.0)
     print(f"{args.from_trace}: {len(chart.tasks())} tasks on {len(chart.rows)} tracks, "

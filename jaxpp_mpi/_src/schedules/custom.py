@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import csv
 import hashlib
 import io
@@ -9,6 +10,7 @@ import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import BinaryIO
 
 from jaxpp_mpi._src.schedules.check import ScheduleError, check_tasks, describe
 from jaxpp_mpi._src.schedules.library import BaseSchedule, check_positive
@@ -33,6 +35,10 @@ __all__ = [
 
 MAX_CSV_BYTES = 64 << 20
 MAX_CSV_CELLS = 1_000_000
+# Commas and line breaks a CSV may hold (its fields and rows, empty ones included):
+# counted on the text before the csv module builds a row, so a line of millions of
+# commas or blank lines allocates nothing.
+MAX_CSV_FIELDS = 2 * MAX_CSV_CELLS
 # Note: CSV cells.
 #   A cell is a task label (`Note: task labels` in tasks.py): ``F3s5`` is the forward of
 #   microbatch 3 at stage 5, ``I3s5``/``W3s5`` the halves of a split backward, and a
@@ -40,7 +46,7 @@ MAX_CSV_CELLS = 1_000_000
 #   leave out ``s<stage>``, and then its stage is the row's index (``F3``, ``F4+B1``);
 #   this is allowed only in a row that holds that one stage alone, and `schedule_to_csv`
 #   writes it for such rows. Empty cells are skipped; trailing empty rows are ignored.
-_CELL_PART = re.compile(rf"([{KIND_LETTERS}])(\d{{1,9}})(?:s(\d{{1,9}}))?")
+_CELL_PART = re.compile(rf"([{KIND_LETTERS}])(\d{{1,9}})(?:s(\d{{1,9}}))?", re.ASCII)
 
 # A cell location: (row, column), both 0-based, and the cell text.
 _Cell = tuple[int, int, str]
@@ -283,21 +289,29 @@ class CustomSchedule(BaseSchedule):
         """Reads and checks a schedule written by ``schedule_to_csv`` or by hand.
 
         Args:
-          path: The CSV file (`Note: CSV cells`), at most ``MAX_CSV_BYTES``.
+          path: The CSV file (`Note: CSV cells`), UTF-8 (a byte-order mark is allowed), at
+            most ``MAX_CSV_BYTES``.
 
         Returns:
           The checked schedule.
 
         Raises:
-          ScheduleError: naming the offending cell (row, column, text).
+          ScheduleError: naming the file, and the offending cell (row, column, text) or
+            line: a file that cannot be read, is too large or is not UTF-8 text, or any
+            error of ``from_csv_text``.
         """
-        size = os.path.getsize(path)
-        if size > MAX_CSV_BYTES:
+        try:
+            with open(path, "rb") as f:
+                data = _read_at_most(f, MAX_CSV_BYTES)
+        except OSError as e:
             raise ScheduleError(
-                f"{path}: {size} bytes is too large for a schedule CSV (limit {MAX_CSV_BYTES})"
+                f"{path}: cannot read the schedule CSV: {e.strerror or e}"
+            ) from None
+        if len(data) > MAX_CSV_BYTES:
+            raise ScheduleError(
+                f"{path}: larger than {MAX_CSV_BYTES} bytes, too large for a schedule CSV"
             )
-        with open(path, newline="") as f:
-            return cls.from_csv_text(f.read(), source=str(path))
+        return cls.from_csv_text(_decode_csv(data, str(path)), source=str(path))
 
     @classmethod
     def from_csv_text(cls, text: str, source: str = "<csv>") -> CustomSchedule:
@@ -311,35 +325,90 @@ class CustomSchedule(BaseSchedule):
           The checked schedule.
 
         Raises:
-          ScheduleError: naming the offending cell (row, column, text).
+          ScheduleError: naming ``source`` and the offending cell (row, column, text) or
+            line.
         """
+        separators = text.count(",") + text.count("\n")
+        if separators > MAX_CSV_FIELDS:
+            raise ScheduleError(
+                f"{source}: {separators} commas and line breaks is too many for a schedule "
+                f"CSV (limit {MAX_CSV_FIELDS})"
+            )
         groups: list[list[ScheduleEntry]] = []
         cells: list[list[_Cell]] = []
         count = 0
+        empty_row = None  # the first empty row: only trailing empty rows may follow
+        reader = csv.reader(io.StringIO(text))
         try:
-            for r, row in enumerate(csv.reader(io.StringIO(text))):
-                groups.append([])
-                cells.append([])
+            for r, row in enumerate(reader):
+                entries: list[ScheduleEntry] = []
+                located: list[_Cell] = []
                 for c, cell in enumerate(row):
                     if not cell.strip():
                         continue
                     count += 1 + cell.count("+")
                     if count > MAX_CSV_CELLS:
-                        raise ScheduleError(f"more than {MAX_CSV_CELLS} tasks")
-                    groups[r].append(parse_cell(cell, r, c))
-                    cells[r].append((r, c, cell))
+                        raise ScheduleError(
+                            f"{_cell_name(r, c, cell)}: more than {MAX_CSV_CELLS} tasks"
+                        )
+                    entries.append(parse_cell(cell, r, c))
+                    located.append((r, c, cell))
+                if not entries:
+                    empty_row = r if empty_row is None else empty_row
+                    continue
+                if empty_row is not None:
+                    raise ScheduleError(
+                        f"row {empty_row + 1} (group {empty_row}) is empty but row {r + 1} "
+                        "holds tasks; every group needs tasks (remove the empty row)"
+                    )
+                groups.append(entries)
+                cells.append(located)
         except csv.Error as e:
-            raise ScheduleError(f"{source}: not a valid CSV file: {e}") from None
+            raise ScheduleError(
+                f"{source}: line {reader.line_num}: not a valid CSV file: {e}"
+            ) from None
         except ScheduleError as e:
             raise ScheduleError(f"{source}: {e}") from None
-        while groups and not groups[-1]:
-            groups.pop()
-            cells.pop()
         _check_indexes(groups, cells, count, source)
         try:
             return cls.from_tasks(groups, cells=cells)
         except ScheduleError as e:
             raise ScheduleError(f"{source}: {e}") from None
+
+
+def _read_at_most(f: BinaryIO, limit: int, chunk: int = 1 << 20) -> bytes:
+    """The bytes of ``f`` up to its end or to ``limit`` + 1 bytes, whichever comes first.
+
+    Reads chunk by chunk: one ``f.read(limit + 1)`` would allocate ``limit`` bytes even for
+    a small file, and a device or pipe (``/dev/zero``, ``<(...)``) reports no size to trust.
+    (The checkpoint format has its own copy: this package imports nothing of JAX.)
+    """
+    parts, total = [], 0
+    while total <= limit:
+        part = f.read(min(chunk, limit + 1 - total))
+        if not part:
+            break
+        parts.append(part)
+        total += len(part)
+    return b"".join(parts)
+
+
+def _decode_csv(data: bytes, source: str) -> str:
+    """A schedule CSV's bytes as text: UTF-8, a leading byte-order mark dropped.
+
+    Raises:
+      ScheduleError: naming ``source``, the line and the byte, if it is not UTF-8.
+    """
+    if data.startswith(codecs.BOM_UTF8):
+        data = data[len(codecs.BOM_UTF8) :]
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise ScheduleError(
+            f"{source}: line {line}: byte 0x{data[e.start]:02x} is not UTF-8 text; save the "
+            "schedule as UTF-8 (cells are ASCII, e.g. F3s5)"
+        ) from None
 
 
 def _check_indexes(
