@@ -9,7 +9,13 @@ Each repeat starts tests/jobs/harness/faults.py under `launch/jpprun -n 2` witho
 - `trace-exception`: rank 1 raises while tracing the step (rank 0 waits in the
   program-hash allgather);
 - `stall`: stage 1 sleeps 600 s (watchdog deadline JAXPP_MPI_STEP_TIMEOUT=5, grace 2 s);
-- `sigkill`: rank 1 SIGKILLs itself inside stage 1.
+- `sigkill`: rank 1 SIGKILLs itself inside stage 1;
+- `stall-step6`: stage 1 stalls in step 6 of 8 back-to-back steps, under the automatic
+  watchdog deadline (floor JAXPP_MPI_WATCHDOG_FLOOR=5 instead of 60 s);
+- `stall-trace`, `stall-should-stop`, `stall-save`, `stall-reshard`, `stall-user`: rank 1
+  stalls while tracing, or before `PreemptionGuard.should_stop`, `checkpoint.save`,
+  `spmd_to_mpmd_reshard`, the user's own bcast under `jaxpp_mpi.launch.deadline`; rank 0
+  waits in that collective (deadline JAXPP_MPI_DEADLINE=5, grace 2 s).
 A fault is *survived* when the job exits non-zero before the hang limit. The harness
 prints `fault at <unix time>` on rank 1 just before injecting, so time-to-exit is
 measured from the fault, not from the job's start (JAX start-up and compilation).
@@ -27,13 +33,18 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-FAULTS = ["stage-exception", "trace-exception", "stall", "sigkill"]
+FAULTS = ["stage-exception", "trace-exception", "stall", "sigkill", "stall-step6",
+          "stall-trace", "stall-should-stop", "stall-save", "stall-reshard", "stall-user"]
 HANG_LIMIT_S = 300
 
 
 def run_once(fault: str) -> dict:
-    env = dict(os.environ, JAXPP_MPI_PYTHON=sys.executable, JAXPP_MPI_STEP_TIMEOUT="5",
-               JAXPP_MPI_WATCHDOG_GRACE="2", JAXPP_MPI_FAULT_STAMP="1")
+    env = dict(os.environ, JAXPP_MPI_PYTHON=sys.executable, JAXPP_MPI_WATCHDOG_GRACE="2",
+               JAXPP_MPI_FAULT_STAMP="1")
+    if fault == "stall-step6":  # the automatic deadline, with a lower floor
+        env["JAXPP_MPI_WATCHDOG_FLOOR"] = "5"
+    else:
+        env.update(JAXPP_MPI_STEP_TIMEOUT="5", JAXPP_MPI_DEADLINE="5")
     env.pop("XLA_FLAGS", None)
     cmd = [str(ROOT / "launch" / "jpprun"), "-n", "2", "env", sys.executable,
            "tests/jobs/harness/faults.py", fault]
@@ -78,9 +89,9 @@ def main() -> None:
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
-    print(f"{'fault':<16} {'injected':>8} {'survived':>8} {'median s':>9} {'max s':>7}")
+    print(f"{'fault':<18} {'injected':>8} {'survived':>8} {'median s':>9} {'max s':>7}")
     for fault, s in summary.items():
-        print(f"{fault:<16} {s['injected']:>8} {s['survived_without_hang']:>8} "
+        print(f"{fault:<18} {s['injected']:>8} {s['survived_without_hang']:>8} "
               f"{s['median_s_to_exit'] or float('nan'):>9.1f} "
               f"{s['max_s_to_exit'] or float('nan'):>7.1f}")
     print(f"wrote {args.out}")

@@ -6,6 +6,7 @@ from jaxpp_mpi._src.checkpoint.format import Manifest as Manifest
 from jaxpp_mpi._src.checkpoint.format import Placement as Placement
 from jaxpp_mpi._src.checkpoint.plan import Plan as Plan
 from jaxpp_mpi._src.checkpoint.plan import PlanEntry as PlanEntry
+from jaxpp_mpi._src.checkpoint.store import find as find
 from jaxpp_mpi._src.checkpoint.store import load_plan as load_plan
 from jaxpp_mpi._src.checkpoint.store import load_whole as load_whole
 from jaxpp_mpi._src.checkpoint.store import read_manifest as read_manifest
@@ -14,4 +15,4 @@ from jaxpp_mpi._src.checkpoint.store import save as save
 from jaxpp_mpi._src.checkpoint.store import save_plan as save_plan
 
 __all__ = ["CheckpointError", "LeafEntry", "Manifest", "Placement", "Plan", "PlanEntry",
-           "load_plan", "load_whole", "read_manifest", "restore", "save", "save_plan"]
+           "find", "load_plan", "load_whole", "read_manifest", "restore", "save", "save_plan"]

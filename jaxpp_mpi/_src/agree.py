@@ -16,6 +16,11 @@ Note: raise on every rank.
     raises the caller's error, chained from its own (compilation);
   - "never": every rank raises the caller's error, the same text everywhere (reshard).
 
+Every collective here waits under a deadline named by its `label` (`Note: deadlines` in
+runtime/failure.py): a rank that never arrives ends the job, each waiting rank naming the
+label. `run` measures its own work (tracing, compiling) and records it under its label,
+so that collective's deadline grows with it.
+
 Only mpi4py's object collectives of a communicator handed in are used here; nothing
 here imports MPI. Modules outside `mpi/` that need the MPI layer itself reach it through
 `collectives()`, imported on first use: mpi4py initialises MPI on import, and local
@@ -25,10 +30,12 @@ mode must not need it.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
+from jaxpp_mpi._src.runtime.failure import deadline, record_work
 from jaxpp_mpi._src.types import Comm
 
 if TYPE_CHECKING:
@@ -51,6 +58,9 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+
+LABEL = "a collective decision of the ranks"
+"""The deadline label of a collective whose caller names none."""
 
 Own = Literal["always", "if_all", "never"]
 """Whose error a failing rank raises (see Note: raise on every rank)."""
@@ -75,22 +85,30 @@ def describe(error: BaseException | None) -> str | None:
     return None if error is None else f"{type(error).__name__}: {error}"
 
 
-def allgather(obj: Any, comm: Comm) -> list[Any]:
+def allgather(obj: Any, comm: Comm, label: str = LABEL) -> list[Any]:
     """Every rank's `obj`, element `r` from rank `r` (`[obj]` when `comm` is None).
 
     Args:
       obj: a small picklable value (metadata, never array data).
       comm: the communicator, or None for this process alone.
+      label: where the ranks wait, for the deadline's report.
 
     Returns:
       The list of every rank's `obj`, in rank order.
     """
-    return [obj] if comm is None else comm.allgather(obj)
+    if comm is None:
+        return [obj]
+    with deadline(label, comm):
+        return comm.allgather(obj)
 
 
-def bcast(obj: Any, comm: Comm, root: int = 0) -> Any:
-    """`obj` of rank `root`, on every rank (`obj` itself when `comm` is None)."""
-    return obj if comm is None else comm.bcast(obj, root=root)
+def bcast(obj: Any, comm: Comm, root: int = 0, label: str = LABEL) -> Any:
+    """`obj` of rank `root`, on every rank (`obj` itself when `comm` is None); waits
+    under the deadline `label`."""
+    if comm is None:
+        return obj
+    with deadline(label, comm):
+        return comm.bcast(obj, root=root)
 
 
 def differing_ranks(values: Sequence[Any]) -> list[int]:
@@ -123,8 +141,8 @@ def raise_gathered(messages: Sequence[str | None], error: BaseException | None,
 
 def allgather_or_raise(value: Any, error: BaseException | None, comm: Comm,
                        failure: Failure, *, own: Own = "always",
-                       message: Callable[[BaseException | None], str | None] = describe
-                       ) -> list[Any]:
+                       message: Callable[[BaseException | None], str | None] = describe,
+                       label: str = LABEL) -> list[Any]:
     """Allgathers (this rank's error, `value`); raises on every rank if any rank failed.
 
     One allgather carries both a rank's outcome and what the ranks compare next (a
@@ -138,6 +156,7 @@ def allgather_or_raise(value: Any, error: BaseException | None, comm: Comm,
       failure: as for `raise_gathered`.
       own: as for `raise_gathered`.
       message: what a rank tells the others of its error (`describe` by default).
+      label: where the ranks wait, for the deadline's report.
 
     Returns:
       Every rank's `value`, in rank order, when no rank failed.
@@ -149,23 +168,25 @@ def allgather_or_raise(value: Any, error: BaseException | None, comm: Comm,
         if error is not None:
             raise error
         return [value]
-    reports = allgather((message(error), value), comm)
+    reports = allgather((message(error), value), comm, label)
     raise_gathered([m for m, _ in reports], error, failure, own=own)
     return [v for _, v in reports]
 
 
 def raise_if_any(error: BaseException | None, comm: Comm, failure: Failure, *,
                  own: Own = "always",
-                 message: Callable[[BaseException | None], str | None] = describe) -> None:
+                 message: Callable[[BaseException | None], str | None] = describe,
+                 label: str = LABEL) -> None:
     """Raises on every rank if any rank has an error (`allgather_or_raise` of nothing).
 
     Raises:
       `error` or `failure(...)`, on every rank, when any rank has an error.
     """
-    allgather_or_raise(None, error, comm, failure, own=own, message=message)
+    allgather_or_raise(None, error, comm, failure, own=own, message=message, label=label)
 
 
-def run(fn: Callable[[], T], comm: Comm, failure: Failure, *, own: Own = "always") -> T:
+def run(fn: Callable[[], T], comm: Comm, failure: Failure, *, own: Own = "always",
+        label: str = LABEL) -> T:
     """`fn()` on every rank; if it raises on any rank, every rank raises.
 
     Args:
@@ -173,60 +194,105 @@ def run(fn: Callable[[], T], comm: Comm, failure: Failure, *, own: Own = "always
       comm: the communicator, or None for this process alone (then `fn` simply runs).
       failure: as for `raise_gathered`.
       own: as for `raise_gathered`.
+      label: where the ranks wait once `fn` is done (e.g. "compile barrier"); `fn`'s
+        time is recorded under it, so this collective's deadline is at least
+        `work_factor` x the slowest `fn` seen (`Note: deadlines`).
 
     Returns:
       `fn()`'s result, when no rank failed.
     """
     if comm is None:
         return fn()
+    start = time.monotonic()
     try:
         result, error = fn(), None
     except Exception as e:  # noqa: BLE001 - raised on every rank just below
         result, error = None, e
-    raise_if_any(error, comm, failure, own=own)
+    record_work(label, time.monotonic() - start)
+    raise_if_any(error, comm, failure, own=own, label=label)
     return result
 
 
-def check_same(text: str, comm: Comm, failure: Callable[[list[int]], Exception]) -> None:
+def check_same(text: str, comm: Comm, failure: Callable[[list[int]], Exception],
+               label: str = LABEL) -> None:
     """Raises `failure(ranks differing from rank 0)` on every rank unless `text` is the
-    same on every rank (one allgather of its sha256 digest)."""
+    same on every rank (one allgather of its sha256 digest, under the deadline
+    `label`)."""
     digest = hashlib.sha256(text.encode()).hexdigest()
-    differ = differing_ranks(allgather(digest, comm))
+    differ = differing_ranks(allgather(digest, comm, label))
     if differ:
         raise failure(differ)
 
 
-def agree_on_program(program: Program, comm: Comm) -> None:
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _first_difference(a: str, b: str) -> tuple[int, str, str]:
+    """(1-based line number, line of `a`, line of `b`) of the first differing line."""
+    la, lb = a.splitlines(), b.splitlines()
+    k = next((i for i, (x, y) in enumerate(zip(la, lb)) if x != y), min(len(la), len(lb)))
+    return (k + 1, la[k].strip() if k < len(la) else "<end>",
+            lb[k].strip() if k < len(lb) else "<end>")
+
+
+def agree_on_program(program: Program, comm: Comm,
+                     executables: Callable[[], Mapping[str, str]] | None = None) -> None:
     """Allgathers the program hash (in MPI mode, the barrier before the first message).
 
     Args:
       program: this rank's whole program.
       comm: the communicator, or None for this process alone (nothing to agree on).
+      executables: returns, per executable of every group (named e.g. "group 1
+        executable F_s1"), a deterministic text of what it computes (its jaxpr:
+        `compiler/fingerprint.py`); its digest joins the program hash, so ranks running
+        different arithmetic with the same shapes are refused too. Called only in MPI
+        mode.
 
     Raises:
-      ValueError: on every rank, when the ranks built different programs, naming the
-        ranks that differ from rank 0 and the first differing line of each.
+      ValueError: on every rank, when the ranks built different programs or
+        executables, naming the ranks that differ from rank 0 and the first differing
+        line (of the program, or of the first differing executable) of each.
     """
     if comm is None:
         return
-    hashes = allgather(program.hash(), comm)
-    differ = differing_ranks(hashes)
+    label = "program agreement"
+    texts = dict(executables()) if executables is not None else {}
+    digests = {name: _digest(text) for name, text in texts.items()}
+    mine = (program.hash(), _digest(repr(sorted(digests.items()))))
+    hashes = allgather(mine, comm, label)
+    differ = differing_ranks([h for h, _ in hashes])
+    if differ:
+        programs = allgather(str(program), comm, label)
+        details = []
+        for r in differ:
+            k, a, b = _first_difference(programs[0], programs[r])
+            details.append(f"  rank {r} (hash {hashes[r][0][:12]}) differs from rank 0 (hash "
+                           f"{hashes[0][0][:12]}) at program line {k}:\n"
+                           f"    rank 0:  {a}\n    rank {r}:  {b}")
+        raise ValueError(
+            "the ranks compiled different programs for this step, so their messages would "
+            "not match; every rank must call the step with the same shapes, dtypes, "
+            "shardings and schedule:\n" + "\n".join(details)
+        )
+    differ = differing_ranks([e for _, e in hashes])
     if not differ:
         return
-    texts = allgather(str(program), comm)
-    lines0 = texts[0].splitlines()
+    every = allgather(digests, comm, label)
     details = []
     for r in differ:
-        lines = texts[r].splitlines()
-        k = next((i for i, (a, b) in enumerate(zip(lines0, lines)) if a != b),
-                 min(len(lines0), len(lines)))
-        a = lines0[k] if k < len(lines0) else "<end>"
-        b = lines[k] if k < len(lines) else "<end>"
-        details.append(f"  rank {r} (hash {hashes[r][:12]}) differs from rank 0 (hash "
-                       f"{hashes[0][:12]}) at program line {k + 1}:\n"
-                       f"    rank 0:  {a.strip()}\n    rank {r}:  {b.strip()}")
+        name = next((n for n in every[0] if every[r].get(n) != every[0][n]),
+                    next(iter(set(every[r]) - set(every[0])), "?"))
+        details.append((r, name))
+    wanted = sorted({name for _, name in details})
+    shown = allgather({n: texts.get(n, "<none>") for n in wanted}, comm, label)
+    lines = []
+    for r, name in details:
+        k, a, b = _first_difference(shown[0][name], shown[r][name])
+        lines.append(f"  rank {r} differs from rank 0 first in {name}, at jaxpr line {k}:\n"
+                     f"    rank 0:  {a}\n    rank {r}:  {b}")
     raise ValueError(
-        "the ranks compiled different programs for this step, so their messages would not "
-        "match; every rank must call the step with the same shapes, dtypes, shardings and "
-        "schedule:\n" + "\n".join(details)
+        "the ranks traced different code for this step (same program, different "
+        "computations in an executable), so they would not train the same model; every "
+        "rank must run the same step function:\n" + "\n".join(lines)
     )

@@ -3,8 +3,15 @@
 Variables:
   JAXPP_MPI_STEP_TIMEOUT: the watchdog's deadline per step in seconds; `auto` (default)
     derives it from the first steps (see `Note: watchdog`); `0` or `off` disables it.
+  JAXPP_MPI_WATCHDOG_FLOOR: the automatic step deadline's floor in seconds once it has
+    learnt from the first steps (default 60; tests set it low).
   JAXPP_MPI_WATCHDOG_GRACE: seconds between a watchdog report and the abort, so every
     rank's report gets out (default 5).
+  JAXPP_MPI_DEADLINE: the deadline in seconds of every collective outside the step
+    (`Note: deadlines` in runtime/failure.py); unset: JAXPP_MPI_STEP_TIMEOUT's value
+    when it is a number (`off` there turns deadlines off too), else `auto`: 300 s, and
+    for the collective after a rank's own long work (tracing, compiling) at least 5 x
+    the slowest such work this rank has seen; `0` or `off` disables them.
   JAXPP_MPI_ABORT_ON_EXCEPTION: `1` (default): in MPI mode an uncaught exception on any
     rank prints its traceback prefixed with the rank and aborts the whole job; `0`
     leaves `sys.excepthook` alone.
@@ -36,6 +43,11 @@ class Options:
       first_steps_timeout_s: the automatic deadline while it is learning.
       auto_factor: the automatic deadline is this many times the slowest first step...
       auto_floor_s: ...but never less than this.
+      deadlines: whether collectives outside the step have a deadline at all.
+      deadline_s: their fixed deadline, or None for the automatic one.
+      auto_deadline_s: the automatic deadline...
+      work_factor: ...or this many times the slowest local work before the collective
+        (tracing, compiling), when longer.
     """
 
     step_timeout_s: float | None = None
@@ -47,6 +59,10 @@ class Options:
     first_steps_timeout_s: float = 300.0
     auto_factor: float = 20.0
     auto_floor_s: float = 60.0
+    deadlines: bool = True
+    deadline_s: float | None = None
+    auto_deadline_s: float = 300.0
+    work_factor: float = 5.0
 
 
 def _float(env: Mapping[str, str], name: str, default: float) -> float:
@@ -69,21 +85,33 @@ def _flag(env: Mapping[str, str], name: str) -> bool:
     return raw in ("1", "true", "yes", "on")
 
 
+def _timeout(env: Mapping[str, str], name: str) -> tuple[bool, float | None]:
+    """(enabled, fixed seconds or None for automatic) from a timeout variable."""
+    raw = env.get(name, "auto").strip().lower() or "auto"
+    if raw in ("0", "off", "none"):
+        return False, None
+    if raw == "auto":
+        return True, None
+    return True, _float(env, name, 0.0)
+
+
 def parse_options(env: Mapping[str, str]) -> Options:
     """The options set by `env` (an environment mapping).
 
     Raises:
       ValueError: naming the variable whose value is malformed.
     """
-    timeout = env.get("JAXPP_MPI_STEP_TIMEOUT", "auto").strip().lower() or "auto"
-    watchdog, step_timeout = True, None
-    if timeout in ("0", "off", "none"):
-        watchdog = False
-    elif timeout != "auto":
-        step_timeout = _float(env, "JAXPP_MPI_STEP_TIMEOUT", 0.0)
+    watchdog, step_timeout = _timeout(env, "JAXPP_MPI_STEP_TIMEOUT")
+    if env.get("JAXPP_MPI_DEADLINE", "").strip():
+        deadlines, deadline = _timeout(env, "JAXPP_MPI_DEADLINE")
+    else:  # follows the step timeout
+        deadlines, deadline = watchdog, step_timeout
     return Options(
         step_timeout_s=step_timeout,
         watchdog=watchdog,
+        auto_floor_s=_float(env, "JAXPP_MPI_WATCHDOG_FLOOR", 60.0),
+        deadlines=deadlines,
+        deadline_s=deadline,
         watchdog_grace_s=_float(env, "JAXPP_MPI_WATCHDOG_GRACE", 5.0),
         abort_on_exception=_flag(env, "JAXPP_MPI_ABORT_ON_EXCEPTION"),
         heap_tuning=_flag(env, "JAXPP_MPI_HEAP_TUNING"),

@@ -1,13 +1,14 @@
 """Injected faults end a 2-rank job promptly, naming the rank and what it was doing.
 
 Each test starts tests/jobs/harness/faults.py under jpprun *without* `python -m mpi4py`
-(through `env`), so what ends the job is jaxpp_mpi's own abort hook and watchdog
-(runtime/failure.py), as for a user's plain `mpirun -n N python train.py`.
+(through `env`), so what ends the job is jaxpp_mpi's own abort hook, watchdog and
+deadlines (runtime/failure.py), as for a user's plain `mpirun -n N python train.py`.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -21,7 +22,8 @@ HANG_LIMIT_S = 120  # a hang shows up as this timeout; every fault ends far soon
 
 
 def run_fault(fault: str, **env: str) -> tuple[int, str, float]:
-    """Runs the harness with `fault` on 2 ranks; (exit status, output, seconds)."""
+    """Runs the harness with `fault` on 2 ranks; (exit status, output, seconds): from
+    the fault (the harness's stamp) to the job's end when `env` asks for the stamp."""
     full_env = dict(os.environ, JAXPP_MPI_PYTHON=sys.executable, **env)
     full_env.pop("XLA_FLAGS", None)
     start = time.monotonic()
@@ -32,7 +34,11 @@ def run_fault(fault: str, **env: str) -> tuple[int, str, float]:
         )
     except subprocess.TimeoutExpired:
         pytest.fail(f"fault {fault!r}: the job hung for {HANG_LIMIT_S} s")
+    end = time.time()
     out = (proc.stdout + proc.stderr).decode(errors="replace")
+    stamps = [float(ln.split()[-1]) for ln in out.splitlines() if ln.startswith("fault at ")]
+    if stamps:
+        return proc.returncode, out, end - stamps[0]
     return proc.returncode, out, time.monotonic() - start
 
 
@@ -74,3 +80,48 @@ def test_rank_killed_mid_step_ends_the_job_naming_it():
     assert rc != 0, out
     assert "rank 1" in out and "signal 9" in out, out
     assert elapsed < 60, f"took {elapsed:.1f} s"
+
+
+# Where rank 0 waits while rank 1 stalls before it (Note: deadlines in failure.py).
+STALLS = {
+    "stall-trace": ("step trace agreement",),
+    "stall-should-stop": ("preemption agreement (PreemptionGuard.should_stop)",),
+    "stall-save": ("checkpoint save of ",),
+    "stall-reshard": ("reshard agreement",),
+    "stall-user": ("loss broadcast",),
+}
+DEADLINE_S, GRACE_S = 2, 1
+
+
+@pytest.mark.parametrize("fault", sorted(STALLS))
+def test_a_stall_outside_the_step_ends_the_job_naming_where_the_ranks_wait(fault):
+    """Rank 1 stalls before a collective outside the step (tracing, `should_stop`,
+    `checkpoint.save`, a reshard, the user's own bcast under `jaxpp_mpi.launch.deadline`):
+    rank 0 prints where it waits and the job aborts within the deadline plus grace."""
+    rc, out, since_fault = run_fault(fault, JAXPP_MPI_DEADLINE=str(DEADLINE_S),
+                                     JAXPP_MPI_WATCHDOG_GRACE=str(GRACE_S),
+                                     JAXPP_MPI_FAULT_STAMP="1")
+    assert rc != 0, out
+    waits = [ln for ln in out.splitlines()
+             if ln.startswith("[rank 0] jaxpp_mpi deadline: waiting in ")]
+    assert len(waits) == 1, out
+    assert any(label in waits[0] for label in STALLS[fault]), waits[0]
+    assert f"past its deadline of {DEADLINE_S:.1f} s" in waits[0], waits[0]
+    assert "rank 0 finished" not in out
+    assert since_fault < DEADLINE_S + GRACE_S + 8, f"{since_fault:.1f} s after the fault"
+
+
+def test_watchdog_deadline_adapts_to_back_to_back_steps():
+    """Steps run back to back (each waits for the last one's results): after the first 3
+    the automatic deadline is max(floor, 20 x slowest step), so a stall at step 6 ends
+    the job within it (the floor set to 2 s here, 60 s by default), not after 300 s."""
+    rc, out, since_fault = run_fault("stall-step6", JAXPP_MPI_WATCHDOG_FLOOR="2",
+                                     JAXPP_MPI_WATCHDOG_GRACE=str(GRACE_S),
+                                     JAXPP_MPI_FAULT_STAMP="1")
+    assert rc != 0, out
+    lines = [ln for ln in out.splitlines() if "jaxpp_mpi watchdog: step 6 " in ln]
+    assert lines and all("(automatic;" in ln for ln in lines), out
+    deadline = max(float(re.search(r"past its deadline of ([0-9.]+) s", ln)[1])
+                   for ln in lines)
+    assert 2 <= deadline < 20, lines  # learnt: the floor, or 20 x a slow first step
+    assert since_fault < deadline + GRACE_S + 8, f"{since_fault:.1f} s after the fault"

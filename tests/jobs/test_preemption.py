@@ -1,5 +1,7 @@
-"""SIGTERM to one rank mid-training: all ranks stop after the same step, checkpoint and
-exit 0; re-running the same command resumes and ends where an uninterrupted run ends."""
+"""SIGTERM mid-training, to one rank or to the launcher (`launch/jpprun`, which passes it
+on as SIGUSR1: Note: Signals to the launcher): all ranks stop after the same step,
+checkpoint and exit 0; re-running the same command resumes, also from a save left
+between its two renames, and ends where an uninterrupted run ends."""
 
 from __future__ import annotations
 
@@ -36,7 +38,9 @@ def _finish(proc: subprocess.Popen, lines: list[str]) -> str:
     return "".join(lines) + rest
 
 
-def test_sigterm_on_one_rank_stops_all_after_one_step_and_resume_finishes(tmp_path):
+@pytest.mark.parametrize("target, mid_rename", [("rank 1", False), ("jpprun", True)])
+def test_sigterm_stops_all_ranks_after_one_step_and_resume_finishes(tmp_path, target,
+                                                                     mid_rename):
     proc = _start(tmp_path)
     lines: list[str] = []
     pids: dict[str, int] = {}
@@ -47,7 +51,8 @@ def test_sigterm_on_one_rank_stops_all_after_one_step_and_resume_finishes(tmp_pa
         if words[:1] == ["rank"] and words[2:3] == ["pid"]:
             pids[words[1]] = int(words[3])
         if line.startswith("rank 0 step 2"):
-            os.kill(pids["1"], signal.SIGTERM)  # only rank 1 is told
+            # only rank 1 is told, or the launcher (launch/jpprun execs jpprun.py)
+            os.kill(pids["1"] if target == "rank 1" else proc.pid, signal.SIGTERM)
             break
         assert time.monotonic() < deadline, "".join(lines)
     out = _finish(proc, lines)
@@ -56,9 +61,14 @@ def test_sigterm_on_one_rank_stops_all_after_one_step_and_resume_finishes(tmp_pa
     assert len(stops) == 2, out
     at = {ln.split()[4] for ln in stops}
     assert len(at) == 1, f"ranks stopped after different steps: {stops}"
-    assert "SIGTERM" in stops[1]  # rank 1 caught it; rank 0 stopped by agreement
+    if target == "rank 1":
+        assert "SIGTERM" in stops[1]  # rank 1 caught it; rank 0 stopped by agreement
+    else:
+        assert all(ln.endswith("on SIGUSR1") for ln in stops), stops
     assert int(at.pop()) < 8, "stopped only at the end"
 
+    if mid_rename:  # a crash between the two renames of an overwriting save
+        os.rename(tmp_path / "ckpt", tmp_path / ".ckpt.old-0123456789ab")
     proc = _start(tmp_path)  # the same command again
     out = _finish(proc, [])
     assert proc.returncode == 0, out

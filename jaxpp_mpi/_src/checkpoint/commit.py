@@ -12,9 +12,16 @@ Note: Atomic commit.
      existing NAME (replaced only when `overwrite`, and only if it is a checkpoint) is
      first renamed to `.NAME.old-TOKEN`, then deleted; rank 0 broadcasts the outcome.
   A crash before the rename leaves NAME as it was, plus a temp dir that the next save to
-  NAME removes; a crash between the two renames leaves the previous checkpoint at
-  `.NAME.old-TOKEN`, which the next save to NAME renames back first. On an error rank 0
-  removes the temp dir and every rank raises.
+  NAME removes; a crash between the two renames leaves no NAME but the previous
+  checkpoint at `.NAME.old-TOKEN` and the new, complete one (manifest written) at
+  `.NAME.tmp-TOKEN`. `recover` (run by rank 0 before every save, and by
+  `checkpoint.find` before a resume) renames the newest complete one of those (highest
+  step; the temp dir on a tie) to NAME. On an error rank 0 removes the temp dir and
+  every rank raises.
+
+  Never backwards: with `overwrite`, a save whose step is lower than the step of the
+  checkpoint at NAME is refused (CheckpointError on every rank, NAME unchanged): a run
+  that failed to resume must not replace newer progress.
 """
 
 from __future__ import annotations
@@ -31,12 +38,18 @@ import numpy as np
 from jaxpp_mpi._src import agree
 from jaxpp_mpi._src.checkpoint import format as fmt
 from jaxpp_mpi._src.checkpoint.format import CheckpointError, Manifest
+from jaxpp_mpi._src.runtime.failure import deadline, record_work
 from jaxpp_mpi._src.types import Comm
 
-__all__ = ["Ranks", "commit_checkpoint"]
+__all__ = ["Ranks", "commit_checkpoint", "recover"]
 
 Producer = Callable[[], np.ndarray]
 T = TypeVar("T")
+
+IO_BYTES_PER_S = 100e6
+"""A slow file system's throughput: a rank waiting for a peer that writes (or reads) N
+bytes waits at least `work_factor` x N / this, on top of its deadline, so a large leaf
+on slow storage is not taken for a stall."""
 
 
 def _rank_failed(failed: list[int], messages: Sequence[str | None]) -> CheckpointError:
@@ -49,32 +62,45 @@ class Ranks:
 
     Each method is the checkpoint's use of `jaxpp_mpi._src.agree` (Note: raise on every
     rank): a failing rank raises its own error, the others a `CheckpointError` naming
-    the first failing rank. Only mpi4py's object collectives of a communicator handed
-    in are used; nothing here imports MPI.
+    the first failing rank. Every collective waits under the deadline `label` (`Note:
+    deadlines` in runtime/failure.py). Only mpi4py's object collectives of a
+    communicator handed in are used; nothing here imports MPI.
+
+    Args:
+      comm: the communicator, or None for this process alone.
+      label: what the ranks are doing, for the deadline's report ("checkpoint save").
     """
 
-    def __init__(self, comm: Comm = None):
+    def __init__(self, comm: Comm = None, label: str = "checkpoint collective"):
         self.comm = comm
+        self.label = label
         self.rank = 0 if comm is None else int(comm.Get_rank())
         self.size = 1 if comm is None else int(comm.Get_size())
 
     def bcast(self, obj: Any) -> Any:
         """`obj` of rank 0, on every rank."""
-        return agree.bcast(obj, self.comm)
+        return agree.bcast(obj, self.comm, label=self.label)
 
     def allgather(self, obj: Any) -> list[Any]:
         """Every rank's `obj`, in rank order."""
-        return agree.allgather(obj, self.comm)
+        return agree.allgather(obj, self.comm, self.label)
 
     def barrier(self) -> None:
         """Waits until every rank has reached this point."""
         if self.comm is not None:
-            self.comm.Barrier()
+            with deadline(self.label, self.comm):
+                self.comm.Barrier()
+
+    def expect_io(self, nbytes: int) -> None:
+        """Lets this operation's collectives wait for a peer reading or writing `nbytes`
+        (at `IO_BYTES_PER_S`) besides the deadline (`Note: deadlines`)."""
+        record_work(self.label, nbytes / IO_BYTES_PER_S)
 
     def allgather_or_raise(self, value: Any, error: BaseException | None) -> list[Any]:
         """Every rank's `value`, after raising on every rank if any rank's `error` is
         set (one allgather for both)."""
-        return agree.allgather_or_raise(value, error, self.comm, _rank_failed)
+        return agree.allgather_or_raise(value, error, self.comm, _rank_failed,
+                                        label=self.label)
 
     @staticmethod
     def raise_gathered(messages: Sequence[str | None], error: BaseException | None) -> None:
@@ -84,12 +110,12 @@ class Ranks:
 
     def run(self, fn: Callable[[], T]) -> T:
         """`fn()` on every rank; if it raises on any rank, every rank raises."""
-        return agree.run(fn, self.comm, _rank_failed)
+        return agree.run(fn, self.comm, _rank_failed, label=self.label)
 
     def check_same(self, text: str, what: str) -> None:
         """Raises on every rank unless `text` is the same on every rank."""
         agree.check_same(text, self.comm, lambda differ: CheckpointError(
-            f"ranks {differ} passed a different {what} than rank 0"))
+            f"ranks {differ} passed a different {what} than rank 0"), self.label)
 
 
 def _fsync_dir(path: str) -> None:
@@ -104,23 +130,63 @@ def _is_checkpoint(path: str) -> bool:
     return os.path.isdir(path) and os.path.isfile(os.path.join(path, fmt.MANIFEST))
 
 
-def _prepare(target: str, overwrite: bool) -> str:
+def _complete(path: str) -> Manifest | None:
+    """The manifest of `path` when it is a complete checkpoint (manifest readable, every
+    leaf file present), else None."""
+    try:
+        text = fmt.read_json_file(os.path.join(path, fmt.MANIFEST), "manifest")
+        manifest = Manifest.from_json(text, f"{path}/{fmt.MANIFEST}")
+        if all(os.path.isfile(fmt.resolve_inside(path, leaf.file))
+               for leaf in manifest.leaves):
+            return manifest
+    except (CheckpointError, OSError, ValueError):
+        pass
+    return None
+
+
+def recover(target: str) -> Manifest | None:
+    """Completes a save interrupted between its two renames (see Note: Atomic commit);
+    returns the manifest of the checkpoint now at `target`, or None if there is none.
+
+    Rank 0 only (file system work): when `target` is missing, the newest complete one of
+    `.NAME.tmp-*` and `.NAME.old-*` (highest step; the temp dir on a tie) is renamed to
+    `target`.
+    """
+    if os.path.lexists(target):
+        return _complete(target)
+    parent, name = os.path.split(target)
+    found = []
+    for kind, pattern in ((1, ".tmp-"), (0, ".old-")):
+        for d in glob.glob(os.path.join(parent, glob.escape(f".{name}{pattern}") + "*")):
+            manifest = _complete(d)
+            if manifest is not None:
+                step = manifest.step if manifest.step is not None else -1
+                found.append((step, kind, d))
+    if not found:
+        return None
+    os.rename(max(found)[2], target)
+    _fsync_dir(parent)
+    return _complete(target)
+
+
+def _prepare(target: str, overwrite: bool, step: int | None) -> str:
     """Rank 0, step 1 of Note: Atomic commit; returns the temp dir."""
     parent, name = os.path.split(target)
     os.makedirs(parent, exist_ok=True)
-    olds = sorted(glob.glob(os.path.join(parent, glob.escape(f".{name}.old-") + "*")))
-    if not os.path.lexists(target):
-        complete = [o for o in olds if _is_checkpoint(o)]
-        if complete:  # a crash between the two renames of an earlier save
-            os.rename(complete[-1], target)
-            olds.remove(complete[-1])
-    for old in olds:
+    current = recover(target)
+    for old in glob.glob(os.path.join(parent, glob.escape(f".{name}.old-") + "*")):
         shutil.rmtree(old, ignore_errors=True)
     if os.path.lexists(target):
         if not overwrite:
             raise CheckpointError(f"{target} exists; pass overwrite=True to replace it")
         if not _is_checkpoint(target):
             raise CheckpointError(f"{target} exists and is not a checkpoint; not replacing it")
+        if (current is not None and step is not None and current.step is not None
+                and current.step > step):
+            raise CheckpointError(
+                f"{target} holds step {current.step}, newer than the step {step} being "
+                "saved: not replacing newer progress with older (resume from it with "
+                "checkpoint.find, or save to another path)")
     for stale in glob.glob(os.path.join(parent, glob.escape(f".{name}.tmp-") + "*")):
         shutil.rmtree(stale, ignore_errors=True)
     tmp = os.path.join(parent, f".{name}.tmp-{secrets.token_hex(6)}")
@@ -188,13 +254,14 @@ def commit_checkpoint(
     tmp, error = None, None
     if ranks.rank == 0:
         try:
-            tmp = _prepare(target, overwrite)
+            tmp = _prepare(target, overwrite, manifest.step)
         except Exception as e:  # noqa: BLE001 - sent to every rank, raised there
             error = e
     tmp, message = ranks.bcast((tmp, agree.describe(error)))
     ranks.raise_gathered([message], error)
     try:
         arrays = total = 0
+        ranks.expect_io(max((leaf.nbytes for leaf in manifest.leaves), default=0))
         rounds = max(ranks.allgather(len(mine)))
         for r in range(rounds):
             wrote, error = None, None

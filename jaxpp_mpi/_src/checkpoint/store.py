@@ -17,17 +17,19 @@ import numpy as np
 
 from jaxpp_mpi._src.array import MpmdArray, MpmdSharding
 from jaxpp_mpi._src.checkpoint import format as fmt
-from jaxpp_mpi._src.checkpoint.commit import Producer, Ranks, commit_checkpoint
+from jaxpp_mpi._src.checkpoint.commit import Producer, Ranks, commit_checkpoint, recover
 from jaxpp_mpi._src.checkpoint.format import CheckpointError, Manifest
 from jaxpp_mpi._src.checkpoint.plan import Plan, plan_from_shardings
 from jaxpp_mpi._src.mesh import MpmdMesh, _mpi_world_size
 from jaxpp_mpi._src.types import PyTree
 
-__all__ = ["load_plan", "load_whole", "read_manifest", "restore", "save", "save_plan"]
+__all__ = ["find", "load_plan", "load_whole", "read_manifest", "restore", "save",
+           "save_plan"]
 
 
-def ranks_of(mesh: MpmdMesh | None) -> Ranks:
-    """The ranks of `mesh` (this process alone in local mode).
+def ranks_of(mesh: MpmdMesh | None, label: str = "checkpoint collective") -> Ranks:
+    """The ranks of `mesh` (this process alone in local mode); their collectives wait
+    under the deadline `label` (`Note: deadlines` in runtime/failure.py).
 
     In MPI mode waits for this rank's pending computations and message chains first
     (`chains.quiesce`), so no MPI message of a running step is in flight meanwhile.
@@ -47,7 +49,7 @@ def ranks_of(mesh: MpmdMesh | None) -> Ranks:
     from jaxpp_mpi._src.mpi import chains
 
     chains.quiesce()
-    return Ranks(mesh.comm)
+    return Ranks(mesh.comm, label)
 
 
 def _mesh_of(items: Sequence[Any], mesh: MpmdMesh | None) -> MpmdMesh | None:
@@ -89,15 +91,17 @@ def save(
       tree: the pytree to save; dict keys must be str or int.
       step: the training step, kept in the manifest.
       mesh: the MPMD mesh; needed only when the tree holds no MpmdArray in an MPI job.
-      overwrite: replace an existing checkpoint at `path`.
+      overwrite: replace an existing checkpoint at `path`, unless it holds a newer
+        step than `step` (never backwards: Note: Atomic commit).
 
     Raises:
       CheckpointError: on every rank: an unsupported leaf or dtype, ranks passing
-        different trees, `path` existing, or a write failing on any rank.
+        different trees, `path` existing (or, with `overwrite`, holding a newer step),
+        or a write failing on any rank.
     """
     paths, leaves, _ = fmt.flatten_with_paths(tree)
     mesh = _mesh_of(leaves, mesh)
-    ranks = ranks_of(mesh)
+    ranks = ranks_of(mesh, f"checkpoint save of {path}")
 
     def describe() -> tuple[Manifest, list[tuple[int, Producer]]]:
         entries, mine = [], []
@@ -126,6 +130,40 @@ def save(
 # -- reading ------------------------------------------------------------------------
 
 
+def find(path: str, *, mesh: MpmdMesh | None = None) -> Manifest | None:
+    """The checkpoint to resume from at `path`: its manifest, or None (start afresh).
+
+    Collective in MPI mode (every rank calls it): rank 0 first completes a save that was
+    interrupted between its two renames (`.NAME.old-*` / `.NAME.tmp-*` left beside a
+    missing NAME: see Note: Atomic commit), then every rank reads the manifest.
+
+    Example:
+      found = checkpoint.find(ckpt, mesh=mesh)
+      if found is not None:
+          state = checkpoint.restore(ckpt, state, shardings=...)
+          first_step = found.step
+
+    Args:
+      path: the checkpoint directory that `save` writes.
+      mesh: the MPMD mesh (needed in an MPI job of several ranks).
+
+    Returns:
+      The manifest of the checkpoint now at `path`, or None when there is none.
+
+    Raises:
+      CheckpointError: on every rank, when `path` exists but is not a readable
+        checkpoint.
+    """
+    target = os.path.abspath(path)
+    ranks = ranks_of(mesh, f"checkpoint find of {path}")
+    found = ranks.run(lambda: recover(target) is not None or os.path.lexists(target)
+                      if ranks.rank == 0 else None)
+    if not ranks.bcast(found):
+        return None
+    return ranks.run(lambda: read_manifest(path))
+
+
+
 def read_manifest(path: str) -> Manifest:
     """The checked manifest of the checkpoint directory `path` (no array is read).
 
@@ -144,15 +182,17 @@ def read_manifest(path: str) -> Manifest:
 
 def read_leaf(path: str, leaf: fmt.LeafEntry) -> np.ndarray:
     """One leaf's value from checkpoint `path`, checked (see Note: Untrusted files)."""
-    return fmt.read_npy(fmt.resolve_inside(path, leaf.file), leaf.shape, leaf.np_dtype)
+    return fmt.read_npy(fmt.resolve_inside(path, leaf.file), leaf.shape, leaf.np_dtype,
+                        fmt.format_key_path(leaf.path))
 
 
 def _check_like(path: str, manifest: Manifest, paths: list, leaves: list) -> None:
     have = [leaf.path for leaf in manifest.leaves]
     problems = []
     if have != paths:
-        missing = [fmt.format_key_path(p) for p in paths if p not in set(have)]
-        extra = [fmt.format_key_path(p) for p in have if p not in set(paths)]
+        have_set, paths_set = set(have), set(paths)
+        missing = [fmt.format_key_path(p) for p in paths if p not in have_set]
+        extra = [fmt.format_key_path(p) for p in have if p not in paths_set]
         problems += [f"`like` has {m}, the checkpoint does not" for m in missing[:10]]
         problems += [f"the checkpoint has {e}, `like` does not" for e in extra[:10]]
         if not problems:
@@ -226,7 +266,7 @@ def restore(
         if bad:
             raise CheckpointError(f"shardings leaves must be MpmdSharding or None, got {bad[0]!r}")
     mesh = _mesh_of(targets, mesh)
-    ranks = ranks_of(mesh)
+    ranks = ranks_of(mesh, f"checkpoint restore of {path}")
 
     def check() -> Manifest:
         manifest = read_manifest(path)
@@ -234,6 +274,7 @@ def restore(
         return manifest
 
     manifest = ranks.run(check)
+    ranks.expect_io(sum(leaf.nbytes for leaf in manifest.leaves))
 
     def read() -> list[Any]:
         out = []
@@ -250,17 +291,53 @@ def restore(
     return jax.tree.unflatten(treedef, ranks.run(read))
 
 
-def _nest(items: list[tuple[fmt.KeyPath, Any]]) -> Any:
+def _nest(items: list[tuple[fmt.KeyPath, Any]], where: str, gaps: list[int],
+          prefix: fmt.KeyPath = ()) -> Any:
+    """The tree of `items` (key path, value) below `prefix` (see `load_whole`).
+
+    Sequences are rebuilt from the indexes present, with None in the gaps empty
+    containers leave (e.g. optax's `EmptyState`); `gaps[0]` is what remains of the
+    checkpoint's budget of gaps (one per leaf), spent before any list is allocated, so a
+    huge index costs a message, not memory.
+
+    Raises:
+      CheckpointError: naming `where` and the path: a level mixing sequence indexes
+        with dict keys, two keys that would become the same dict key, or more gaps than
+        the budget.
+    """
     if len(items) == 1 and items[0][0] == ():
         return items[0][1]
-    groups: dict[Any, list] = {}
-    kinds = set()
+    at = fmt.format_key_path(prefix)
+    if any(p == () for p, _ in items):  # excluded by Manifest.from_json
+        raise CheckpointError(f"{where}: a leaf at {at} also holds other leaves")
+    groups: dict[fmt.PathEntry, list] = {}
     for p, v in items:
-        kinds.add(p[0][0])
-        groups.setdefault(p[0][1], []).append((p[1:], v))
-    children = {k: _nest(g) for k, g in groups.items()}
+        groups.setdefault(p[0], []).append((p[1:], v))
+    kinds = {kind for kind, _ in groups}
     if kinds <= {"idx", "flat"}:
-        return [children.get(i) for i in range(max(children) + 1)]
+        if len(kinds) > 1:
+            raise CheckpointError(f"{where}: at {at} the leaves mix \"idx\" and \"flat\" "
+                                  "indexes; pass `like=` to load this checkpoint")
+        size = 1 + max(key for _, key in groups)
+        if size - len(groups) > gaps[0]:
+            raise CheckpointError(
+                f"{where}: at {at} a sequence has index {size - 1} but only {len(groups)} "
+                f"entries: more gaps than the checkpoint's leaves can explain; pass `like=` "
+                "to load it")
+        gaps[0] -= size - len(groups)
+        out: list[Any] = [None] * size
+        for (kind, key), group in groups.items():
+            out[key] = _nest(group, where, gaps, (*prefix, (kind, key)))
+        return out
+    if kinds & {"idx", "flat"}:
+        raise CheckpointError(f"{where}: at {at} the leaves mix sequence indexes with dict "
+                              "keys or attributes; pass `like=` to load this checkpoint")
+    children: dict[Any, Any] = {}
+    for (kind, key), group in groups.items():
+        if key in children:
+            raise CheckpointError(f"{where}: at {at} both a dict key and an attribute are "
+                                  f"named {key!r}; pass `like=` to load this checkpoint")
+        children[key] = _nest(group, where, gaps, (*prefix, (kind, key)))
     return children
 
 
@@ -274,7 +351,8 @@ def load_whole(path: str, like: PyTree = None) -> PyTree:
       like: optional pytree with the checkpoint's key paths; the result then has its
         structure. Without it the tree is rebuilt from the key paths: dict keys and
         attribute names become dicts, sequence indexes lists (empty containers are not
-        kept).
+        kept: an empty entry of a sequence comes back as None, and a checkpoint whose
+        sequences have more such gaps than it has leaves is refused).
 
     Returns:
       The pytree of numpy arrays (bfloat16 / float8 as ml_dtypes arrays).
@@ -290,7 +368,11 @@ def load_whole(path: str, like: PyTree = None) -> PyTree:
         return jax.tree.unflatten(treedef, [read_leaf(path, leaf) for leaf in manifest.leaves])
     if not manifest.leaves:
         return {}
-    return _nest([(leaf.path, read_leaf(path, leaf)) for leaf in manifest.leaves])
+    where = f"{path}/{fmt.MANIFEST}"
+    paths = [leaf.path for leaf in manifest.leaves]
+    _nest([(p, None) for p in paths], where, [len(paths)])  # the structure, before any read
+    values = [read_leaf(path, leaf) for leaf in manifest.leaves]
+    return _nest(list(zip(paths, values)), where, [len(paths)])
 
 
 # -- plans --------------------------------------------------------------------------
@@ -313,7 +395,7 @@ def save_plan(path: str, shardings: PyTree, like: PyTree = None) -> Plan:
     """
     plan = plan_from_shardings(shardings, like)
     mesh = _mesh_of(jax.tree.leaves(shardings), None)
-    ranks = ranks_of(mesh)
+    ranks = ranks_of(mesh, f"plan save of {path}")
 
     def write() -> None:
         if ranks.rank != 0:

@@ -27,6 +27,17 @@ Note: Launcher settings.
     exec'ing the program (Note: Device binding in bind.py). `JAXPP_MPI_GPUS_PER_RANK` is
     exported too, so a script's own `bind_local_devices()` agrees. `--gpus-per-rank 0`,
     `JAX_PLATFORMS=cpu` or no visible GPU: CPU only, no wrapper.
+
+Note: Signals to the launcher.
+  A SIGTERM to jpprun (a scheduler preempting it, `kill`) must become the ranks'
+  graceful stop (`Note: preemption`: save, exit 0), not a kill. Open MPI's mpirun
+  (prterun) answers SIGTERM by killing every rank (SIGTERM, then SIGKILL a few seconds
+  later: the issue saw checkpoints saved in 3 runs of 4), but forwards SIGUSR1 and
+  SIGUSR2 to every rank untouched. So jpprun forwards the first SIGTERM to mpirun as
+  SIGUSR1, which `PreemptionGuard` catches like SIGTERM; a second SIGTERM goes on as
+  SIGTERM (mpirun then kills the job). SIGUSR1/SIGUSR2 to jpprun are passed on as they
+  are. jpprun then waits for mpirun and exits with its status. MPICH's Hydra mpiexec is
+  sent the same SIGUSR1 (untested here: no MPICH on the test machine).
 """
 
 from __future__ import annotations
@@ -36,9 +47,11 @@ import dataclasses
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
+from types import FrameType
 
 from jaxpp_mpi._src.launch import env as launch_env
 from jaxpp_mpi._src.launch.env import GPUS_PER_RANK_ENV, THREADS_PER_RANK_ENV
@@ -257,6 +270,42 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def run_forwarding_signals(argv: Sequence[str], env: Mapping[str, str]) -> int:
+    """Runs the launcher, forwarding signals to it (see `Note: Signals to the launcher`).
+
+    Args:
+      argv: the launcher's command line.
+      env: its environment.
+
+    Returns:
+      The launcher's exit status (128 + N when a signal N ended it).
+    """
+    proc = subprocess.Popen(list(argv), env=dict(env))
+    terms = 0
+
+    def forward(signum: int, frame: FrameType | None) -> None:
+        nonlocal terms
+        sig = signal.Signals(signum)
+        if sig == signal.SIGTERM:
+            terms += 1
+            if terms == 1:
+                print("jpprun: SIGTERM: asking the ranks to stop after their current step "
+                      "(SIGUSR1 to mpirun); a second SIGTERM kills the job",
+                      file=sys.stderr, flush=True)
+                sig = signal.SIGUSR1
+        if proc.poll() is None:
+            proc.send_signal(sig)
+
+    previous = {s: signal.signal(s, forward)
+                for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)}
+    try:
+        status = proc.wait()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    return 128 - status if status < 0 else status
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of `launch/jpprun`."""
     args = _parse(sys.argv[1:] if argv is None else argv)
@@ -290,7 +339,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     env = dict(os.environ)
     env.update(plan.env)
-    return subprocess.call(list(plan.argv), env=env)
+    return run_forwarding_signals(plan.argv, env)
 
 
 if __name__ == "__main__":

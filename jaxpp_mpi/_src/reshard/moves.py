@@ -15,6 +15,7 @@ from jaxpp_mpi._src import agree
 from jaxpp_mpi._src.array import MpmdArray
 from jaxpp_mpi._src.mesh import MpmdMesh
 from jaxpp_mpi._src.reshard.planning import Leaf, ReshardStats
+from jaxpp_mpi._src.runtime.failure import deadline
 
 __all__ = ["Mover"]
 
@@ -151,8 +152,17 @@ class Mover:
         self.meter.live = 0
 
     def _run(self, factory: Callable, params: tuple, *args):
-        self.stats.collectives.append(factory.__name__.strip("_").split("_")[0])
-        return _collective(factory, self.comm, *params)(*args)
+        """One collective, waited for under a deadline (`Note: deadlines` in
+        runtime/failure.py): a rank that never joins it ends the job."""
+        kind = factory.__name__.strip("_").split("_")[0]
+        self.stats.collectives.append(kind)
+        with deadline(f"reshard {kind}", self.comm):
+            out = _collective(factory, self.comm, *params)(*args)
+            if jax.tree.leaves(out):
+                jax.block_until_ready(out)
+            else:  # a send-only collective: its ordered effect is what to wait for
+                jax.effects_barrier()
+        return out
 
     def _stage(self, x: jax.Array) -> jax.Array:
         """`x` on the group's first device, for a collective."""

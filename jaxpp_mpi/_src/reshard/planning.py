@@ -23,10 +23,12 @@ __all__ = ["Leaf", "ReshardStats", "batches", "mpmd_leaf", "prepare", "spmd_leaf
 #   An SPMD value is one logical array in one of two layouts:
 #   - whole: this process holds the whole array (any `jax.Array`, or a numpy array);
 #   - blocked: its `NamedSharding` spec names the MPMD axis on dimension `d` (as the
-#     first, most major, name of that entry); group `i` holds block `i` of
-#     `shape[d] // mpmd_dim` rows along `d`.
+#     first, most major, name of that entry, or after axes of size 1 only, as in
+#     `P(None, ("model", "mpmd"))` with a 1-device "model"); group `i` holds block `i`
+#     of `shape[d] // mpmd_dim` rows along `d`.
 #   Local mode: a `jax.Array` always is the whole logical array (JAX's global view); a
-#   blocked one is merely laid out over the groups of `mpmd_mesh.jax_mesh`.
+#   blocked one is merely laid out over the groups of `mpmd_mesh.jax_mesh`, in any
+#   position of any entry.
 #   MPI mode: JAX sees only this rank's devices, laid out as `spmd_mesh(mpmd_mesh)`, the
 #   rank's group mesh with the MPMD axis of size 1. An array whose `NamedSharding` names
 #   the MPMD axis on dimension `d` is *this rank's block*, as its addressable data would
@@ -91,15 +93,25 @@ def spmd_mesh(mpmd_mesh: MpmdMesh) -> Mesh:
 # -- validation ---------------------------------------------------------------------
 
 
-def _block_dim(spec: PartitionSpec, axis: str, what: str) -> int | None:
+def _block_dim(spec: PartitionSpec, axis: str, what: str,
+               sizes: dict[str, int]) -> int | None:
+    """The dimension `spec` blocks over the MPMD axis (MPI mode; Note: SPMD layouts).
+
+    Raises:
+      ValueError: an axis of more than one device comes before the MPMD axis in its
+        entry: each rank's part would not be one contiguous block.
+    """
     for d, entry in enumerate(spec):
         names = entry if isinstance(entry, tuple) else (entry,)
         if axis in names:
-            if names[0] != axis:
+            before = [n for n in names[:names.index(axis)] if sizes.get(n, 1) > 1]
+            if before:
+                moved = (axis, *(n for n in names if n != axis))
                 raise ValueError(
-                    f"{what}: spec {spec} names the MPMD axis {axis!r} after {names[0]!r} "
-                    f"in dimension {d}; it must come first there (each group then holds "
-                    "one contiguous block)")
+                    f"{what}: spec {spec} names the MPMD axis {axis!r} after {before} in "
+                    f"dimension {d}, so each rank's part of that dimension is not one "
+                    "contiguous block; under MPI put the MPMD axis first in that entry "
+                    f"({moved!r}), or reshard in one process, where any position works")
             return d
     return None
 
@@ -163,10 +175,10 @@ def spmd_leaf(mesh: MpmdMesh, k: int, path: str, x: Any, target: Any) -> Leaf:
     sh = getattr(x, "sharding", None)
     axis = mesh.mpmd_axis_name
     if isinstance(sh, NamedSharding) and axis in sh.mesh.axis_names:
-        block_dim = _block_dim(sh.spec, axis, what)
-        if mesh.is_local:
-            block_dim = None  # a global array: the whole logical array
-        elif block_dim is not None:
+        # Local mode: a global array, the whole logical array.
+        block_dim = None if mesh.is_local else _block_dim(sh.spec, axis, what,
+                                                          dict(sh.mesh.shape))
+        if block_dim is not None:
             if set(sh.device_set) != set(mesh.devices_of(mesh.my_mpmd_axis_index)):
                 raise ValueError(f"{what}: a block must lie on this rank's group devices, "
                                  f"not on {sorted(d.id for d in sh.device_set)}")
@@ -191,14 +203,13 @@ def mpmd_leaf(mesh: MpmdMesh, k: int, path: str, x: Any, target: Any) -> Leaf:
     shape = tuple(x.shape)
     local_shape, block_dim = shape, None
     axis = mesh.mpmd_axis_name
-    if axis in named.mesh.axis_names:
-        block_dim = _block_dim(named.spec, axis, f"spmd_shardings for {what}")
-        if mesh.is_local:
-            block_dim = None  # a global array: the whole logical array
-        elif named.mesh.shape[axis] != 1:
+    if axis in named.mesh.axis_names and not mesh.is_local:  # local: a global array
+        if named.mesh.shape[axis] != 1:
             raise ValueError(f"spmd_shardings for {what}: in MPI mode the MPMD axis of "
                              "the target mesh must have size 1")
-        elif block_dim is not None:
+        block_dim = _block_dim(named.spec, axis, f"spmd_shardings for {what}",
+                               dict(named.mesh.shape))
+        if block_dim is not None:
             if block_dim >= len(shape) or shape[block_dim] % mesh.mpmd_dim:
                 raise ValueError(
                     f"spmd_shardings for {what}: {named.spec} splits dimension "
@@ -250,7 +261,7 @@ def _agree(mesh: MpmdMesh, error: ValueError | None, leaves: list[Leaf],
     comm = None if mesh.is_local else mesh.comm
     sig = None if error else [(f.path, f.shape, f.dtype.name, str(f.mpmd)) for f in leaves]
     reports = agree.allgather_or_raise((sig, threshold), error, comm, _bad_input,
-                                       own="never", message=_text)
+                                       own="never", message=_text, label="reshard agreement")
     sigs = [s for s, _ in reports]
     differ = agree.differing_ranks(sigs)
     if differ:

@@ -1,4 +1,5 @@
-"""Failing fast under MPI: the abort-on-exception hook and the step watchdog.
+"""Failing fast under MPI: the abort-on-exception hook, the step watchdog, and the
+deadline of every collective outside the step.
 
 Note: abort on exception.
   An MPI job whose rank raises while its peers wait in a receive hangs forever unless
@@ -21,27 +22,52 @@ Note: watchdog.
   `first_steps_timeout_s` for the first steps and then `max(auto_floor_s, auto_factor
   * slowest step seen)`.
 
+  Step times are taken on the dispatching thread: when a step starts, the steps before
+  it whose last chain is ready are recorded as done (start to now: an upper bound,
+  which makes the deadline only more lenient), so back-to-back steps teach the
+  deadline as well as spaced ones; the monitor's poll records a step that it sees
+  finish first, more precisely.
+
   One daemon thread per process looks at every live executor's Watchdog (weakly held)
   every `_POLL_S`, and never touches MPI. It only ever asks `is_ready()` of the chains'
   `order` arrays, which nothing deletes or donates: asking it of a step's results while
   the next step donates them crashed the process (seen in CI: a segfault in `is_ready`).
   A step is done when its last chain is; a group with no messages has nothing to watch.
+
+Note: deadlines.
+  Outside a step a stalled or lost peer leaves the others blocked in a collective:
+  program agreement and the compile barrier (agree.py), `PreemptionGuard.should_stop`,
+  a checkpoint's and a reshard's collectives, the user's own MPI calls between steps.
+  Each of these waits inside `deadline(label, comm)`, which registers (label, start,
+  limit) with the watchdog's daemon thread (no second thread); past its limit the
+  daemon prints `[rank r] jaxpp_mpi deadline: waiting in <label> for N s ...`, waits
+  the grace period (so the other waiting ranks print theirs) and aborts the job, as the
+  watchdog does. The limit: JAXPP_MPI_DEADLINE seconds (unset: JAXPP_MPI_STEP_TIMEOUT's
+  value when it is a number), else 300 s; a collective that follows long work waits at
+  least `work_factor` (5) x the slowest such work recorded under its label with
+  `record_work`: this rank's own (`agree.run` measures tracing and compiling, which its
+  peers do too) or what a peer may be doing (a checkpoint's largest file at 100 MB/s).
+  `jaxpp_mpi.launch.deadline` is the public form for the user's own collectives. Local
+  mode (no communicator, or a one-rank job): no deadline.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import time
 import traceback
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
+from jaxpp_mpi._src import config
 from jaxpp_mpi._src.config import Options
 from jaxpp_mpi._src.schedules.tasks import describe_label as describe_task
 
-__all__ = ["Watchdog", "describe_task", "install_abort_on_exception"]
+__all__ = ["Watchdog", "deadline", "deadline_s", "describe_task",
+           "install_abort_on_exception", "record_work"]
 
 _installed = False
 
@@ -89,13 +115,130 @@ _monitor: threading.Thread | None = None
 _monitor_lock = threading.Lock()
 
 
+_waits: set[_Wait] = set()
+_work: dict[str, float] = {}  # per label: the slowest local work before it, seconds
+
+
 def _monitor_loop() -> None:
     while True:
         time.sleep(_POLL_S)
         with _monitor_lock:
             watchdogs = list(_watched)
+            waits = list(_waits)
         for wd in watchdogs:
             wd.check()
+        for wait in waits:
+            wait.check()
+
+
+def _ensure_monitor() -> None:
+    """Starts the daemon thread (once); call with `_monitor_lock` held."""
+    global _monitor
+    if _monitor is None:
+        _monitor = threading.Thread(target=_monitor_loop, daemon=True,
+                                    name="jaxpp_mpi-watchdog")
+        _monitor.start()
+
+
+def record_work(label: str, seconds: float) -> None:
+    """Records `seconds` of work before the collective `label`, this rank's own or a
+    peer's (see `Note: deadlines`): that collective's later deadlines are at least
+    `work_factor` x the slowest recorded."""
+    with _monitor_lock:
+        _work[label] = max(_work.get(label, 0.0), seconds)
+
+
+def deadline_s(label: str, options: Options | None = None) -> float | None:
+    """The deadline in seconds of the collective `label` (None: no deadline).
+
+    Args:
+      label: where the rank waits, e.g. "program agreement".
+      options: the settings (default: the process's).
+    """
+    o = options or config.options()
+    if not o.deadlines:
+        return None
+    base = o.deadline_s if o.deadline_s is not None else o.auto_deadline_s
+    with _monitor_lock:
+        work = _work.get(label, 0.0)
+    return max(base, o.work_factor * work)
+
+
+class _Wait:
+    """One collective in progress under a deadline (see `Note: deadlines`)."""
+
+    def __init__(self, label: str, limit: float, rank: int, abort: Callable[[int], None],
+                 grace: float, how: str):
+        self.label, self.limit, self.rank, self.abort = label, limit, rank, abort
+        self.grace, self.how = grace, how
+        self.start = time.monotonic()
+        self.fired = False
+
+    def check(self) -> None:
+        """One look (from the monitor thread): report and abort when past the limit."""
+        elapsed = time.monotonic() - self.start
+        if self.fired or elapsed <= self.limit:
+            return
+        self.fired = True
+        sys.stderr.write(_prefixed(self.rank, (
+            f"jaxpp_mpi deadline: waiting in {self.label} for {elapsed:.1f} s, past its "
+            f"deadline of {self.limit:.1f} s ({self.how}); a peer rank has not reached "
+            f"it (stalled, or lost).\naborting the MPI job in {self.grace:g} s")))
+        sys.stderr.flush()
+        time.sleep(self.grace)
+        self.abort(1)
+
+
+def _world() -> Any:
+    """COMM_WORLD when MPI is initialised in a job of several ranks, else None (never
+    imports mpi4py itself)."""
+    module = sys.modules.get("mpi4py.MPI")
+    if module is None or not module.Is_initialized() or module.Is_finalized():
+        return None
+    world = module.COMM_WORLD
+    return world if world.Get_size() > 1 else None
+
+
+@contextlib.contextmanager
+def deadline(label: str, comm: Any = None, *, seconds: float | None = None,
+             abort: Callable[[int], None] | None = None) -> Iterator[None]:
+    """Runs the body, a collective that every rank reaches, under a deadline (see
+    `Note: deadlines`): past it, this rank prints where it waits and aborts the job.
+
+    Example:
+      with jaxpp_mpi.launch.deadline("loss broadcast"):
+          loss = comm.bcast(loss, root=last)
+
+    Args:
+      label: where the ranks wait, for the report (e.g. "loss broadcast").
+      comm: the communicator of the collective (its rank names the report, its `Abort`
+        ends the job); None: MPI_COMM_WORLD when MPI runs several ranks, else nothing
+        is watched (one process waits on nobody).
+      seconds: the deadline; None: `deadline_s(label)` (JAXPP_MPI_DEADLINE).
+      abort: ends the job with a status (default `comm.Abort`).
+    """
+    if comm is None:
+        comm = _world()
+    abort = abort or getattr(comm, "Abort", None)
+    o = config.options()
+    limit = seconds if seconds is not None else deadline_s(label, o)
+    if comm is None or abort is None or limit is None:
+        yield
+        return
+    base = o.deadline_s if o.deadline_s is not None else o.auto_deadline_s
+    how = ("given" if seconds is not None else
+           f"{o.work_factor:g} x the slowest work before it" if limit > base else
+           "JAXPP_MPI_DEADLINE" if o.deadline_s is not None else
+           "automatic; set JAXPP_MPI_DEADLINE to change it")
+    wait = _Wait(label, limit, int(comm.Get_rank()), abort, o.watchdog_grace_s, how)
+    with _monitor_lock:
+        _waits.add(wait)
+        _ensure_monitor()
+    try:
+        yield
+    finally:
+        with _monitor_lock:
+            _waits.discard(wait)
 
 
 class Watchdog:
@@ -122,6 +265,7 @@ class Watchdog:
         self._step = 0
         self._start: float | None = None
         self._done: Any = None
+        self._pending: list[tuple[float, Any]] = []  # dispatched steps: (start, done)
         self._durations: list[float] = []
         self._fired = False
 
@@ -135,20 +279,19 @@ class Watchdog:
         return max(o.auto_floor_s, o.auto_factor * max(self._durations))
 
     def step_started(self) -> None:
-        """Called by the executor before it dispatches a step."""
-        global _monitor
+        """Called by the executor before it dispatches a step; records the time of the
+        steps before it that are done (see `Note: watchdog`)."""
+        now = time.monotonic()
         with self._lock:
+            self._record_done(now)
             self._step += 1
-            self._start = time.monotonic()
+            self._start = now
             self._done = None
             self.pc = 0
         with _monitor_lock:
             if self not in _watched:
                 _watched.add(self)
-                if _monitor is None:
-                    _monitor = threading.Thread(target=_monitor_loop, daemon=True,
-                                                name="jaxpp_mpi-watchdog")
-                    _monitor.start()
+                _ensure_monitor()
 
     def step_dispatched(self, last_order: Any) -> None:
         """Called once the step is dispatched; it is done when `last_order` (the `order`
@@ -156,6 +299,8 @@ class Watchdog:
         with self._lock:
             self.pc = self.num_instrs
             self._done = last_order
+            if self._start is not None:
+                self._pending.append((self._start, last_order))
 
     def step_abandoned(self) -> None:
         """Called when dispatching the step raised: nothing more to watch for it."""
@@ -163,15 +308,26 @@ class Watchdog:
             self._start = None
             self.pc = self.num_instrs
 
+    def _record_done(self, now: float) -> None:
+        """Records the duration of each dispatched step now done (with `_lock` held)."""
+        still = []
+        for start, done in self._pending:
+            if done is None or _ready(done):
+                self._durations.append(now - start)
+            else:
+                still.append((start, done))
+        self._pending = still
+
     def check(self) -> None:
         """One look (from the monitor thread): record a finished step's time, or report
         and abort when the step in flight is past its deadline."""
         with self._lock:
             if self._start is None or self._fired:
                 return
-            elapsed = time.monotonic() - self._start
+            now = time.monotonic()
+            elapsed = now - self._start
             if self.pc == self.num_instrs and (self._done is None or _ready(self._done)):
-                self._durations.append(elapsed)
+                self._record_done(now)
                 self._start = None
                 return
             deadline = self.deadline_s()
@@ -183,6 +339,7 @@ class Watchdog:
         sys.stderr.flush()
         time.sleep(self.options.watchdog_grace_s)
         self.abort(1)
+
     def _blocked_at(self) -> int | None:
         if self.pc < self.num_instrs:
             return self.pc

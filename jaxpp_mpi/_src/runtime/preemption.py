@@ -8,7 +8,15 @@ Note: preemption.
   loop, turns the flags into one decision with a max-allreduce over the mesh's
   communicator: all ranks stop after the same step, write their checkpoint, and exit 0;
   the next run of the same command restores it. The allreduce is a host-side collective
-  of one integer and waits for no device work.
+  of one integer and waits for no device work; it waits under the deadline "preemption
+  agreement (PreemptionGuard.should_stop)" (`Note: deadlines` in failure.py), so a rank
+  that never reaches it ends the job instead of hanging it.
+
+  Keep the guard open over the whole run, the final save included (a SIGTERM during
+  that save then only sets the flag). A SIGTERM to the launcher reaches the ranks as
+  SIGUSR1 through `launch/jpprun` (Open MPI's mpirun would kill the ranks on SIGTERM
+  but forwards SIGUSR1) and as SIGTERM through the SLURM template (README.md,
+  "Reliability").
 """
 
 from __future__ import annotations
@@ -19,6 +27,8 @@ from types import FrameType
 from typing import Any
 
 __all__ = ["PreemptionGuard"]
+
+_LABEL = "preemption agreement (PreemptionGuard.should_stop)"
 
 
 class PreemptionGuard:
@@ -68,7 +78,9 @@ class PreemptionGuard:
             decided = bool(mine)
         else:
             from jaxpp_mpi._src.mpi import collectives
+            from jaxpp_mpi._src.runtime.failure import deadline
 
-            decided = bool(collectives.allreduce_max_int(mine, self._comm))
+            with deadline(_LABEL, self._comm):
+                decided = bool(collectives.allreduce_max_int(mine, self._comm))
         self.stopped = self.stopped or decided
         return decided

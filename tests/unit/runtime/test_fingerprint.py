@@ -1,0 +1,121 @@
+"""The program hash covers what each executable computes (`Note: executable
+fingerprints` in compiler/fingerprint.py): the text is the same for separate traces of
+the same step, and ranks tracing different arithmetic are refused on every rank, naming
+the first differing executable. Two ranks are two threads over a stand-in communicator."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import jax.numpy as jnp
+import pytest
+from models import make_step, mlp
+
+import jaxpp_mpi
+from jaxpp_mpi._src import agree
+from jaxpp_mpi._src.compiler.build import build_step
+from jaxpp_mpi._src.compiler.fingerprint import executable_texts
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def _plan(sign: float = 1.0, scale: float = 1.0):
+    params, batch, _ = mlp(2, 4)
+
+    def loss_fn(params, mb):
+        x, y = mb
+        for w, b in params:
+            x = jaxpp_mpi.mark_stage_end(jnp.tanh(x @ w + b if sign > 0 else x @ w - b))
+        return jnp.mean((x - y) ** 2) * scale, {"max": jnp.max(x)}
+
+    step_fn, opt = make_step(loss_fn, jaxpp_mpi.Std1F1B(2))
+    return build_step(step_fn, (opt.init(params), params, batch), 2)
+
+
+class ThreadComm:
+    """One rank's end of an in-process communicator whose ranks are threads."""
+
+    def __init__(self, rank: int, shared: dict):
+        self.rank, self.shared = rank, shared
+
+    def Get_rank(self) -> int:  # noqa: N802 - mpi4py's name
+        return self.rank
+
+    def allgather(self, obj):
+        s = self.shared
+        s["slots"][self.rank] = obj
+        s["barrier"].wait()
+        out = list(s["slots"])
+        s["barrier"].wait()
+        return out
+
+
+def _agree_on_two_ranks(plans) -> list[BaseException | None]:
+    shared = {"slots": [None, None], "barrier": threading.Barrier(2, timeout=60)}
+    errors: list[BaseException | None] = [None, None]
+
+    def rank(r: int) -> None:
+        try:
+            agree.agree_on_program(plans[r].program, ThreadComm(r, shared),
+                                   executables=lambda: executable_texts(plans[r]))
+        except BaseException as e:  # noqa: BLE001 - the test looks at it
+            errors[r] = e
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return errors
+
+
+def test_two_traces_of_one_step_give_the_same_texts_without_addresses():
+    a, b = executable_texts(_plan()), executable_texts(_plan())
+    assert a == b and len(a) > 2
+    assert not any(" at 0x" in text for text in a.values())
+
+
+def test_the_texts_do_not_depend_on_the_process():
+    code = ("import hashlib, sys; sys.path[:0] = ['tests', 'tests/unit/runtime'];"
+            "from test_fingerprint import _plan;"
+            "from jaxpp_mpi._src.compiler.fingerprint import executable_texts;"
+            "t = executable_texts(_plan());"
+            "print(hashlib.sha256(repr(sorted(t.items())).encode()).hexdigest())")
+    env = dict(os.environ, PYTHONHASHSEED="random")
+    theirs = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, check=True,
+                            capture_output=True, text=True).stdout.strip()
+    mine = executable_texts(_plan())
+    assert theirs == hashlib.sha256(repr(sorted(mine.items())).encode()).hexdigest()
+
+
+def test_same_code_on_every_rank_agrees():
+    assert _agree_on_two_ranks([_plan(), _plan()]) == [None, None]
+
+
+@pytest.mark.parametrize("other", [
+    {"sign": -1.0},  # another operation, the same shapes
+    {"scale": 2.0},  # another constant
+], ids=["operation", "constant"])
+def test_different_arithmetic_on_one_rank_is_refused_on_every_rank(other):
+    plans = [_plan(), _plan(**other)]
+    assert plans[0].program.hash() == plans[1].program.hash()  # invisible to the program
+    errors = _agree_on_two_ranks(plans)
+    assert all(isinstance(e, ValueError) for e in errors), errors
+    assert str(errors[0]) == str(errors[1])
+    message = str(errors[0])
+    assert "the ranks traced different code" in message
+    assert "rank 1 differs from rank 0 first in group " in message
+    first = message.split("first in ")[1].split(",")[0]
+    assert first in executable_texts(plans[0])
+
+
+def test_local_mode_computes_no_fingerprint():
+    def never():
+        raise AssertionError("fingerprints computed without a communicator")
+
+    agree.agree_on_program(_plan().program, None, executables=never)
