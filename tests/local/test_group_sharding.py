@@ -142,3 +142,39 @@ def test_model_split_weights_stay_split_after_three_steps():
         local = w.first_mpmd_replica
         assert {s.data.shape for s in local.addressable_shards} == {shard}
     np.testing.assert_array_equal(np.asarray(w0.first_mpmd_replica).shape, (16, 16))
+
+
+def all_reduces_per_step(compiled, group: int) -> dict[str, int]:
+    """Per executable kind of `group`'s program (F, B, ...), the all-reduces one step
+    runs: each executable's optimized HLO count times the runs of it in the program."""
+    from jaxpp_mpi._src.ir.program import Run
+
+    counts: dict[str, int] = {}
+    for instr in compiled.program(group).instrs:
+        if isinstance(instr, Run):
+            n = compiled.as_text(group, instr.exe).count(" all-reduce(")
+            counts[instr.exe[0]] = counts.get(instr.exe[0], 0) + n
+    return counts
+
+
+@functools.cache
+def data_parallel(num_microbatches: int):
+    step, optimizer, params, batch, (pspecs, bspecs) = problem("mlp", "1f1b", num_microbatches)
+    return jp.mpmd_jit_with_loop(step, mpmd_mesh=mpmd_mesh(2, 1),
+                                 in_shardings=(None, pspecs, bspecs)).compile(
+        optimizer.init(params), params, batch)
+
+
+def test_data_parallel_gradients_are_reduced_once_per_step():
+    """`Note: deferred reduction`: the weight gradients of a data=2 group are summed
+    per device over the microbatches and all-reduced once, after the stage's last
+    backward; so a step's backward all-reduces do not grow with the microbatch count
+    (per microbatch they would: 2 -> 4 microbatches doubles them)."""
+    for g in range(2):
+        two = all_reduces_per_step(data_parallel(2), g)
+        four = all_reduces_per_step(data_parallel(4), g)
+        assert four["B"] == two["B"] >= 1, (g, two, four)
+        compiled = data_parallel(4)
+        backward = [n for n in compiled.cost_analysis()[g]["per_executable"] if n[0] == "B"]
+        reducing = [n for n in backward if " all-reduce(" in compiled.as_text(g, n)]
+        assert reducing == [f"B{g}_last"], (g, backward, reducing)

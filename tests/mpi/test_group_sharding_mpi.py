@@ -89,3 +89,18 @@ def test_sharded_groups_per_device_flops_match_jax_jit(axis):
                 f"rank {RANK}: pipelined {total}, jax.jit {cost['flops']}")
     # Every rank reached the same program, layouts included.
     _everywhere(len(set(WORLD.allgather(compiled.program().hash()))) == 1)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_sharded_groups_reduce_data_parallel_gradients_once_per_step():
+    """`Note: deferred reduction` under MPI: on each rank's data=K group, of the
+    backward executables only the last microbatch's all-reduces (the gradient sums are
+    carried unreduced until then)."""
+    step, optimizer, params, batch, (pspecs, bspecs) = problem("1f1b", 2 * SIZE)
+    compiled = jaxpp_mpi.mpmd_jit_with_loop(
+        step, mpmd_mesh=mpmd_mesh("data"), in_shardings=(None, pspecs, bspecs)
+    ).compile(optimizer.init(params), params, batch)
+    backward = sorted(n for n in compiled.cost_analysis()[RANK]["per_executable"]
+                      if n.startswith("B"))
+    reducing = [n for n in backward if " all-reduce(" in compiled.as_text(RANK, n)]
+    _everywhere(reducing == [f"B{RANK}_last"], f"rank {RANK}: {backward}, {reducing}")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections import Counter
 from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -418,7 +419,8 @@ def build_step(
     loop_outs, dropped = _loop_outputs(loop, names, loop_homes, n)
     lt = build_loop_tasks(split, loop_homes, schedule, n, params["ops"],
                           params["body"].out_avals,
-                          lambda j, g: names.value(loop.invars[j], g), loop_outs)
+                          lambda j, g: names.value(loop.invars[j], g), loop_outs,
+                          defer=mesh is not None and math.prod(mesh.group_shape.values()) > 1)
     pre, post = outer_segments(jaxpr, loop_index, homes, names, num_groups)
     input_avals, avals = _value_avals(jaxpr, num_consts, options, names, lt.avals, dropped)
     outputs = _step_outputs(jaxpr, names, homes.output_group, options.out_specs, avals)

@@ -14,7 +14,10 @@ Note: loop tasks.
   `Concat` zeros with that microbatch written in), and every later one calls the plain
   variant, which takes the state, donates it and returns `Op.update(state, v, m)`. So
   a weight gradient is accumulated where the weight lives, with no extra dispatch and
-  no per-microbatch copy; the state after the last microbatch is the loop output.
+  no per-microbatch copy; the state after the last microbatch is the loop output. In a
+  group of several devices, a task with `Add` states has a third variant, `_last`, for
+  its last microbatch: the one that reduces a data-parallel gradient sum carried
+  unreduced until then (`Note: deferred reduction` in compiler/deferred.py).
 
 Note: keys as key data.
   The program holds plain arrays only: a value of a typed PRNG key dtype (`key<fry>[4]`)
@@ -46,6 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
 
+from jaxpp_mpi._src.compiler import deferred
 from jaxpp_mpi._src.compiler.homes import LoopHomes
 from jaxpp_mpi._src.compiler.split import SplitBody, TaskJaxpr, TaskKey
 from jaxpp_mpi._src.compiler.task_graph import TaskNode, Value
@@ -67,10 +71,20 @@ class Exe:
     Attributes:
       fn: a traceable function of the flat inputs.
       donate_argnums: inputs whose buffers the executable may reuse.
+      family: the name shared by the variants of one loop task (`Note: loop tasks`);
+        empty outside the loop.
+      state_ins / state_outs: per `Add` state of the task whose reduction may be
+        deferred (`Note: deferred reduction` in compiler/deferred.py), in the same order
+        in every variant of the family: its input / output position, None where this
+        variant has none (the first microbatch's takes no state in, the last one's
+        returns the loop output).
     """
 
     fn: Callable[..., tuple]
     donate_argnums: tuple[int, ...] = ()
+    family: str = ""
+    state_ins: tuple[int | None, ...] = ()
+    state_outs: tuple[int | None, ...] = ()
 
 
 def is_key(dtype) -> bool:
@@ -277,7 +291,7 @@ def _task_fn(task: TaskJaxpr, export: Sequence[int], sources: Sequence[tuple],
     n_in = len(task.ins)
     n_extra = sum(src[0] == "arg" for src in sources)
     closed = task.jaxpr.replace(jaxpr=replayable(task.jaxpr.jaxpr))
-    run = key_boundary(jex_core.jaxpr_as_fun(closed), task.jaxpr.in_avals,
+    run = key_boundary(deferred.jaxpr_fun(closed), task.jaxpr.in_avals,
                        task.jaxpr.out_avals)
 
     def fn(*args):
@@ -294,10 +308,14 @@ def _task_fn(task: TaskJaxpr, export: Sequence[int], sources: Sequence[tuple],
                 values.append(next(extra))
             else:
                 values.append(jnp.asarray(src[1]))
+        # `Note: deferred reduction`: only an Add state may stay unreduced.
+        values = [v if isinstance(op, Add) else deferred.reduced(v)
+                  for op, v in zip(ops, values)]
         if first:
             new = [_first_state(op, n, v, index) for op, v in zip(ops, values)]
         else:
-            new = [op.update(s, v, index) for op, s, v in zip(ops, states, values)]
+            new = [op.update(s, deferred.like(v, s), index)
+                   for op, s, v in zip(ops, states, values)]
         return (*(outs[j] for j in export), *new)
 
     return fn
@@ -312,6 +330,7 @@ def build_loop_tasks(
     out_avals: Sequence,
     inv_value: Callable[[int, int], Value],
     out_values: Sequence[Value],
+    defer: bool = False,
 ) -> LoopTasks:
     """Builds each group's loop tasks (see `Note: loop tasks`).
 
@@ -324,6 +343,9 @@ def build_loop_tasks(
       out_avals: the JAX aval of each body output (per microbatch).
       inv_value: (invariant j, group g) -> the value name of loop operand j on g.
       out_values: per loop output, the value name of its final state.
+      defer: give the last microbatch of a task with `Add` states its own variant
+        (`_last`), so their reduction can be deferred to it (`Note: deferred
+        reduction`; only worth it where a group has several devices).
 
     Returns:
       The LoopTasks.
@@ -377,7 +399,9 @@ def build_loop_tasks(
             export = [j for j, name in enumerate(task.outs) if name in read_by_tasks]
             first = bool(ks) and runs[key][0] == m
             last = bool(ks) and runs[key][-1] == m
-            exe = f"{kind.value}{stage}" + ("_first" if first else "")
+            adds = [j for j, op in enumerate(k_ops) if isinstance(op, Add)] if defer else []
+            family = f"{kind.value}{stage}"
+            exe = family + ("_first" if first else "_last" if last and adds else "")
             ins = [mb_value(m, g) if ref[0] == "mb" else inv_value(ref[1], g)
                    if ref[0] == "inv" else f"{ref[1]}@{m}" for ref in task.ins]
             ins += extra_ins
@@ -396,7 +420,9 @@ def build_loop_tasks(
             if exe not in result.exes[g]:
                 fn = _task_fn(task, export, sources, k_ops, n, first or not ks, with_index)
                 donate = tuple(range(len(ins), len(ins) + len(states_in)))
-                result.exes[g][exe] = Exe(fn, donate)
+                state_ins = tuple(None if first else len(ins) + j for j in adds)
+                state_outs = tuple(None if last else len(export) + j for j in adds)
+                result.exes[g][exe] = Exe(fn, donate, family, state_ins, state_outs)
     for v in result.mb_values.values():
         result.avals[v] = Aval((), "int32")
     return result
