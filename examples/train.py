@@ -126,6 +126,7 @@ def main(argv=None) -> int:
 
     import jaxpp_mpi
     import jaxpp_mpi.checkpoint
+    import jaxpp_mpi.launch
     import jaxpp_mpi.trace
 
     if world == 1:
@@ -244,36 +245,43 @@ def main(argv=None) -> int:
         layout = f" (data={args.data_axis}, model={args.model_axis})" if per_group > 1 else ""
         print(f"{args.schedule}: {stages} stages on {groups} groups of {per_group} device(s)"
               f"{layout}, {args.num_microbatches} microbatches", flush=True)
-    t0 = time.perf_counter()
-    compiled = step.compile(opt_state, params, batch)
-    bubble = predicted_bubble(sched, args.num_microbatches)
-    if verbose:
-        print(f"compiled in {time.perf_counter() - t0:.1f} s; bubble: the simulated idle "
-              "share (unit task times; after a --trace step, its task times)", flush=True)
-        print(f"{'step':>5}  {'loss':>8}  {'time ms':>9}  {'tokens/s':>10}  {'bubble':>6}",
-              flush=True)
-    tokens = args.num_microbatches * args.microbatch_size * seq
-    traced = min(1, args.steps - 1) if args.trace else -1  # after one warm-up step
-    losses: list = []
-    state = (opt_state, params)
-    first = 0
-    ckpt = os.path.join(args.ckpt_dir, "ckpt") if args.ckpt_dir else None
-    if ckpt and os.path.exists(ckpt):
-        first = jaxpp_mpi.checkpoint.read_manifest(ckpt).step
-        like = {"opt_state": opt_state, "params": params, "losses": np.zeros(first)}
-        restored = jaxpp_mpi.checkpoint.restore(ckpt, like, shardings={
-            "opt_state": compiled.in_shardings[0], "params": compiled.in_shardings[1],
-            "losses": None})
-        state = (restored["opt_state"], restored["params"])
-        losses = [float(v) for v in np.asarray(restored["losses"])]
+    # The guard covers the whole run, compiling and the final save included: a SIGTERM
+    # (or SIGUSR1: what launch/jpprun makes of a SIGTERM to it) anywhere only sets a
+    # flag, and every rank stops after the same step with its checkpoint saved. Without
+    # --ckpt-dir there is nothing to save: signals keep their default action.
+    guarded = jaxpp_mpi.PreemptionGuard(mesh) if args.ckpt_dir else contextlib.nullcontext()
+    with guarded as guard:
+        t0 = time.perf_counter()
+        compiled = step.compile(opt_state, params, batch)
+        bubble = predicted_bubble(sched, args.num_microbatches)
         if verbose:
-            print(f"resumed from {ckpt} at step {first}", flush=True)
+            print(f"compiled in {time.perf_counter() - t0:.1f} s; bubble: the simulated idle "
+                  "share (unit task times; after a --trace step, its task times)", flush=True)
+            print(f"{'step':>5}  {'loss':>8}  {'time ms':>9}  {'tokens/s':>10}  {'bubble':>6}",
+                  flush=True)
+        tokens = args.num_microbatches * args.microbatch_size * seq
+        traced = min(1, args.steps - 1) if args.trace else -1  # after one warm-up step
+        losses: list = []
+        state = (opt_state, params)
+        first = 0
+        ckpt = os.path.join(args.ckpt_dir, "ckpt") if args.ckpt_dir else None
+        found = jaxpp_mpi.checkpoint.find(ckpt, mesh=mesh) if ckpt else None
+        if found is not None:  # the newest complete save, an interrupted one's included
+            first = found.step
+            like = {"opt_state": opt_state, "params": params, "losses": np.zeros(first)}
+            restored = jaxpp_mpi.checkpoint.restore(ckpt, like, shardings={
+                "opt_state": compiled.in_shardings[0][0],
+                "params": compiled.in_shardings[0][1],
+                "losses": None})
+            state = (restored["opt_state"], restored["params"])
+            losses = [float(v) for v in np.asarray(restored["losses"])]
+            if verbose:
+                print(f"resumed from {ckpt} at step {first}", flush=True)
 
-    def save(step_count: int) -> None:
-        tree = {"opt_state": state[0], "params": state[1], "losses": np.array(losses)}
-        jaxpp_mpi.checkpoint.save(ckpt, tree, step=step_count, overwrite=True)
+        def save(step_count: int) -> None:
+            tree = {"opt_state": state[0], "params": state[1], "losses": np.array(losses)}
+            jaxpp_mpi.checkpoint.save(ckpt, tree, step=step_count, overwrite=True)
 
-    with jaxpp_mpi.PreemptionGuard(mesh) as guard:
         for i in range(first, args.steps):
             with jaxpp_mpi.trace.record() if i == traced else contextlib.nullcontext() as events:
                 start = time.perf_counter()
@@ -281,7 +289,8 @@ def main(argv=None) -> int:
                 state = (opt_state_out, params_out)
                 value = float(np.asarray(loss)) if loss.is_partially_addressable else None
                 if not mesh.is_local:  # the loss lives on the last stage's rank
-                    value = mesh.comm.bcast(value, root=min(loss.mpmd_idxs))
+                    with jaxpp_mpi.launch.deadline("loss broadcast", mesh.comm):
+                        value = mesh.comm.bcast(value, root=min(loss.mpmd_idxs))
                 elapsed = time.perf_counter() - start
             losses.append(value)
             if verbose:
@@ -303,8 +312,8 @@ def main(argv=None) -> int:
                     print(f"stopping after step {i} on {why}; saved {ckpt}; run the same "
                           "command to resume", flush=True)
                 return 0
-    if ckpt:
-        save(args.steps)
+        if ckpt:
+            save(args.steps)
     if args.no_check or rank != 0:
         return 0
     # The reference: the same step in this one process, with no pipeline.

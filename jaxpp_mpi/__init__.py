@@ -14,6 +14,8 @@ _EXPORTS = {
     "MpmdCompiled": "compiled",
     "MpmdFunction": "api",
     "mpmd_jit_with_loop": "api",
+    "mpmd_jit_by_yield": "by_yield",
+    "cross_mpmd_all_reduce": "cross_mpmd",
     "MpmdArray": "array",
     "MpmdSharding": "array",
     "CompileError": "errors",
@@ -33,6 +35,7 @@ _EXPORTS = {
     "Eager1F1B": "schedules.library",
     "GPipe": "schedules.library",
     "Interleaved1F1B": "schedules.library",
+    "InterleavedBaseSchedule": "schedules.library",
     "KimiK2": "schedules.library",
     "Std1F1B": "schedules.library",
     "ZeroBubble": "schedules.library",
@@ -48,7 +51,7 @@ __all__ = sorted(_EXPORTS)
 
 
 # public submodules, imported on first attribute access too (`jaxpp_mpi.checkpoint.save`)
-_SUBMODULES = frozenset({"checkpoint", "launch", "schedules", "trace"})
+_SUBMODULES = frozenset({"api", "checkpoint", "launch", "schedules", "trace"})
 
 
 def __getattr__(name: str):
@@ -69,6 +72,8 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # what static tools see; the same names as _EXPORTS
     from jaxpp_mpi._src.api import MpmdFunction as MpmdFunction
     from jaxpp_mpi._src.api import mpmd_jit_with_loop as mpmd_jit_with_loop
+    from jaxpp_mpi._src.by_yield import mpmd_jit_by_yield as mpmd_jit_by_yield
+    from jaxpp_mpi._src.cross_mpmd import cross_mpmd_all_reduce as cross_mpmd_all_reduce
     from jaxpp_mpi._src.array import MpmdArray as MpmdArray
     from jaxpp_mpi._src.array import MpmdSharding as MpmdSharding
     from jaxpp_mpi._src.compiled import MpmdCompiled as MpmdCompiled
@@ -86,6 +91,9 @@ if TYPE_CHECKING:  # what static tools see; the same names as _EXPORTS
     from jaxpp_mpi._src.schedules.library import Eager1F1B as Eager1F1B
     from jaxpp_mpi._src.schedules.library import GPipe as GPipe
     from jaxpp_mpi._src.schedules.library import Interleaved1F1B as Interleaved1F1B
+    from jaxpp_mpi._src.schedules.library import (
+        InterleavedBaseSchedule as InterleavedBaseSchedule,
+    )
     from jaxpp_mpi._src.schedules.library import KimiK2 as KimiK2
     from jaxpp_mpi._src.schedules.library import Std1F1B as Std1F1B
     from jaxpp_mpi._src.schedules.library import ZeroBubble as ZeroBubble

@@ -7,8 +7,9 @@ Note: rejecting input on every rank.
   `MpmdFunction.compile` (on a cache miss) makes each decision collectively, before the
   first message (DESIGN.md §7; Note: raise on every rank, in agree.py):
   1. before tracing, one allgather of (this rank's argument error, a digest of the
-     argument signature, the group mesh shape): any error, different signatures or
-     different group meshes raise on every rank, naming the first differing leaf;
+     argument signature and static values, the group mesh shape): any error,
+     different signatures or different group meshes raise on every rank, naming the
+     first differing leaf or static value;
   2. after tracing, splitting and scheduling, one allgather of the error each rank met
      (if any): every rank raises when any rank failed;
   3. `agree_on_program`: one allgather of the program hash;
@@ -17,7 +18,10 @@ Note: rejecting input on every rank.
   When every rank failed, each raises its own error; when only some did, every rank
   raises a `CompileError` naming the failed ranks and the first one's error (chained
   from its own, where it has one). The cache lookup itself is not collective: ranks
-  must change a step's signature together, as they do when they run the same script.
+  must change a step's signature together, as they do when they run the same script;
+  a rank that compiles while the others run the step compiled before meets their
+  per-call check in its step 1 allgather, and every rank raises (`Note: checking a
+  call on every rank`, in compiled.py).
 """
 
 from __future__ import annotations
@@ -26,23 +30,29 @@ import functools
 import hashlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
+from jax.extend import core as jex_core
 
 from jaxpp_mpi._src import agree
 from jaxpp_mpi._src.arguments import (
+    Call,
     abstract,
     check_layout,
     describe_leaves,
     paths,
     per_leaf,
+    resolve_argnums,
     signature,
     spec_entries,
+    split_call,
+    static_lines,
 )
-from jaxpp_mpi._src.compiled import MpmdCompiled
+from jaxpp_mpi._src.compiled import MpmdCompiled, is_step_check
 from jaxpp_mpi._src.compiler.build import StepPlan, build_step
+from jaxpp_mpi._src.compiler.fingerprint import executable_texts
 from jaxpp_mpi._src.errors import CompileError
 from jaxpp_mpi._src.mesh import MpmdMesh
 from jaxpp_mpi._src.retarget import trace_mesh
@@ -70,57 +80,97 @@ def _ranks_failed(name: str, when: str) -> agree.Failure:
 
 
 class MpmdFunction:
-    """A step wrapped by `mpmd_jit_with_loop`; call it, or `.compile(*args)` it."""
+    """A step wrapped by `mpmd_jit_with_loop`; call it, or `.compile(*args, **kwargs)` it."""
 
     def __init__(self, fun: Callable, mpmd_mesh: MpmdMesh, in_shardings: Any,
-                 out_shardings: Any, donate_argnums: Sequence[int]):
+                 out_shardings: Any, donate_argnums: Any = None, *,
+                 static_argnums: Any = None, static_argnames: Any = None,
+                 donate_argnames: Any = None,
+                 compiler_options: dict[str, Any] | None = None):
         if not isinstance(mpmd_mesh, MpmdMesh):
             raise TypeError(f"mpmd_mesh must be an MpmdMesh, got {type(mpmd_mesh).__name__}")
+        if compiler_options is not None and not (
+                isinstance(compiler_options, dict)
+                and all(isinstance(k, str) for k in compiler_options)):
+            raise TypeError("compiler_options must be a dict of XLA option names to values "
+                            f"(as for jax.jit), got {compiler_options!r}")
         functools.update_wrapper(self, fun)
         self.fun = fun
         self.mpmd_mesh = mpmd_mesh
         self._in_shardings = in_shardings
         self._out_shardings = out_shardings
-        argnums = (donate_argnums,) if isinstance(donate_argnums, int) else donate_argnums
-        self._donate_argnums = tuple(int(i) for i in argnums)
+        self._argnums = resolve_argnums(
+            fun, static_argnums=static_argnums, static_argnames=static_argnames,
+            donate_argnums=donate_argnums, donate_argnames=donate_argnames)
+        self._compiler_options = dict(compiler_options or {})
         self._cache: dict[Any, MpmdCompiled] = {}
 
-    def compile(self, *args: Any) -> MpmdCompiled:
-        """Compiles for the signature of `args` (cached); returns the MpmdCompiled.
+    def compile(self, *args: Any, **kwargs: Any) -> MpmdCompiled:
+        """Compiles for the signature of the call (cached); returns the MpmdCompiled.
+
+        The compiled step takes the dynamic arguments only, as `jax.jit`'s does: the
+        static ones (`static_argnums` / `static_argnames`) are part of it.
 
         Raises:
-          TypeError: an argument leaf is not an array (a str, an object, ...).
+          TypeError: an argument leaf is not an array (a str, an object, ...), or a
+            static value is not hashable.
           ValueError: a malformed `in_shardings` / `out_shardings` / `donate_argnums`,
-            or a spec that does not fit its value on the group mesh.
+            a spec that does not fit its value on the group mesh, or (MPI mode) an
+            array laid out over the MPMD axis (this rank's block).
           CompileError: the step cannot be pipelined (see `build_step`), or, in MPI
             mode, the ranks disagree (see `Note: rejecting input on every rank`).
         """
-        key, error = None, None
+        return self._compile(args, kwargs)[0]
+
+    def _compile(self, args: tuple, kwargs: dict[str, Any]) -> tuple[MpmdCompiled, Call]:
+        """The compiled step for a call (cached), and the call split (Note: the step's
+        arguments); a bad call raises on every rank (Note: rejecting input on every
+        rank)."""
+        name = getattr(self.fun, "__name__", "the step")
+        call, key, error = None, None, None
         try:
-            key = self._placed(signature(args))
-        except TypeError as e:
+            call = split_call(self._argnums, args, kwargs, name)
+            key = self._placed(signature(call, self._mpi_axis()))
+        except (TypeError, ValueError) as e:
             error = e
         else:
             compiled = self._cache.get(key)
             if compiled is not None:
-                return compiled
+                return compiled, call
         mesh = self.mpmd_mesh
-        name = getattr(self.fun, "__name__", "the step")
         # Local mode: one process, nothing to agree on; each step below simply raises.
         comm: Comm = None if mesh.is_local else mesh.comm
-        self._agree_on_arguments(args, key, error, name, comm)
-        plan = agree.run(lambda: self._plan(args, key, name), comm,
-                         _ranks_failed(name, "to trace it"), own="if_all")
-        agree.agree_on_program(plan.program, comm)
+        self._agree_on_arguments(call, key, error, name, comm)
+        plan = agree.run(lambda: self._plan(call, key, name), comm,
+                         _ranks_failed(name, "to trace it"), own="if_all",
+                         label="step trace agreement")
+        agree.agree_on_program(plan.program, comm,
+                               executables=lambda: executable_texts(plan))
         # Everything is compiled when this returns: its allgather is the barrier before
         # this rank's first message (DESIGN.md §7).
         # Each executable is compiled for its group's devices, whatever mesh the caller
         # has set (`jax.set_mesh`) around the call.
         with jax.set_mesh(None):
-            compiled = agree.run(lambda: MpmdCompiled(plan, mesh, key[0]), comm,
-                                 _ranks_failed(name, "to compile it"), own="if_all")
+            compiled = agree.run(
+                lambda: MpmdCompiled(plan, mesh, key[0],
+                                     compiler_options=self._compiler_options,
+                                     trace=functools.partial(self._closed_jaxpr, call)),
+                comm, _ranks_failed(name, "to compile it"), own="if_all",
+                label="compile barrier")
         self._cache[key] = compiled
-        return compiled
+        return compiled, call
+
+    def _mpi_axis(self) -> tuple[str, int] | None:
+        """(MPMD axis, `mpmd_dim`) in MPI mode (see `signature`), None in local mode."""
+        mesh = self.mpmd_mesh
+        return None if mesh.is_local else (mesh.mpmd_axis_name, mesh.mpmd_dim)
+
+    def _in_specs(self, call: Call, tree: jax.tree_util.PyTreeDef) -> list[Any]:
+        """Per flat argument, its `in_shardings` entry: `in_shardings` covers the dynamic
+        positional arguments; keyword arguments get None (Note: the step's arguments)."""
+        n_args = jax.tree.structure(call.args).num_leaves
+        specs = per_leaf(self._in_shardings, jax.tree.structure(call.args), "in_shardings")
+        return specs + [None] * (tree.num_leaves - n_args)
 
     def _placed(self, key: tuple) -> tuple:
         """The signature `key` with each leaf's spec as the step places it: the spec of
@@ -128,57 +178,72 @@ class MpmdFunction:
         is moved to it), so feeding results back hits the cache whatever their layout."""
         if self._in_shardings is None:
             return key
-        tree, sig = key
+        tree, sig, static = key
+        axis = self.mpmd_mesh.mpmd_axis_name
         try:
-            specs = [spec_entries(s, "in_shardings")
-                     for s in per_leaf(self._in_shardings, tree, "in_shardings")]
+            args_tree = tree.children()[0]
+            specs = per_leaf(self._in_shardings, args_tree, "in_shardings")
+            specs = [spec_entries(s, "in_shardings", axis) for s in specs]
         except (TypeError, ValueError):
             return key  # `_plan` rejects it on every rank
         placed = []
-        for entry, spec in zip(sig, specs):
+        for j, entry in enumerate(sig):
+            spec = specs[j] if j < len(specs) else None
             if spec is not None:
                 spec = list(spec)
                 while spec and spec[-1] is None:
                     spec.pop()
                 entry = (*entry[:3], tuple(spec))
             placed.append(entry)
-        return tree, tuple(placed)
+        return tree, tuple(placed), static
 
-    def _plan(self, args: tuple, key: tuple, name: str) -> StepPlan:
-        """Traces, splits and schedules the step for `args` (signature `key`)."""
-        tree, sig = key
-        for i in self._donate_argnums:
-            if not 0 <= i < len(args):
-                raise ValueError(f"donate_argnums has {i}, but the step got {len(args)} "
-                                 "arguments")
-        abstract_args = jax.tree.unflatten(tree, [abstract(x) for x in jax.tree.leaves(args)])
-        specs = per_leaf(self._in_shardings, tree, "in_shardings")
-        in_specs = [
-            spec_entries(s, "in_shardings") if s is not None else entry[3]
-            for s, entry in zip(specs, sig)
-        ]
+    def _abstract(self, call: Call) -> tuple[tuple, dict[str, Any]]:
+        """`call.dynamic` with every leaf abstract."""
+        return jax.tree.map(abstract, call.dynamic)
+
+    def _closed_jaxpr(self, call: Call) -> jex_core.ClosedJaxpr:
+        """The whole step traced for `call` (`MpmdCompiled.closed_jaxpr`), as `build_step`
+        traces it: over the flat dynamic arguments, under the mesh's abstract copy."""
+        leaves, tree = jax.tree.flatten(self._abstract(call))
+        bound = call.bind(self.fun)
+
+        def flat(*xs: Any) -> Any:
+            return bound(*jax.tree.unflatten(tree, xs))
+
+        with jax.sharding.use_abstract_mesh(trace_mesh(self.mpmd_mesh.jax_mesh)):
+            return jax.make_jaxpr(flat)(*leaves)
+
+    def _plan(self, call: Call, key: tuple, name: str) -> StepPlan:
+        """Traces, splits and schedules the step for `call` (signature `key`)."""
+        tree, sig, _ = key
+        abstract_args = self._abstract(call)
         mesh = self.mpmd_mesh
         group_shape, mpmd_axis = mesh.group_shape, mesh.mpmd_axis_name
+        in_specs = [
+            spec_entries(s, "in_shardings", mpmd_axis) if s is not None else entry[3]
+            for s, entry in zip(self._in_specs(call, tree), sig)
+        ]
         leaf_paths = None
         for j, (spec, entry) in enumerate(zip(in_specs, sig)):
             if spec:
-                leaf_paths = leaf_paths or paths(args)
+                leaf_paths = leaf_paths or paths(call.dynamic)
                 check_layout(spec, entry[0], group_shape, f"argument {leaf_paths[j]}",
                              mpmd_axis)
         donate = []
-        for i, a in enumerate(args):
-            donate += [i in self._donate_argnums] * len(jax.tree.leaves(a))
+        for donated, a in zip(call.donated, [*call.args, *call.kwargs.values()]):
+            donate += [donated] * len(jax.tree.leaves(a))
+        bound = call.bind(self.fun)
         out_specs = None
         if self._out_shardings is not None:
             with jax.sharding.use_abstract_mesh(trace_mesh(mesh.jax_mesh)):  # as traced
-                out_tree = jax.tree.structure(jax.eval_shape(self.fun, *abstract_args))
-            out_specs = [spec_entries(s, "out_shardings")
+                out_tree = jax.tree.structure(jax.eval_shape(bound, *abstract_args))
+            out_specs = [spec_entries(s, "out_shardings", mpmd_axis)
                          for s in per_leaf(self._out_shardings, out_tree, "out_shardings")]
         start = time.perf_counter()
-        plan = build_step(self.fun, abstract_args, mesh.mpmd_dim, in_specs=in_specs,
+        plan = build_step(bound, abstract_args, mesh.mpmd_dim, in_specs=in_specs,
                           out_specs=out_specs, donate=donate, what=f"{name}", mesh=mesh)
         if out_specs is not None:
-            out_paths = paths(jax.tree.unflatten(plan.out_tree, plan.output_avals))
+            out_paths = paths((jax.tree.unflatten(plan.out_tree, plan.output_avals),))
             for k, (spec, aval) in enumerate(zip(out_specs, plan.output_avals)):
                 where = "result" + out_paths[k].removeprefix("args")
                 check_layout(spec, aval.shape, group_shape, where, mpmd_axis)
@@ -189,24 +254,34 @@ class MpmdFunction:
                         time.perf_counter() - start)
         return plan
 
-    def _agree_on_arguments(self, args: tuple, key: tuple | None,
+    def _agree_on_arguments(self, call: Call | None, key: tuple | None,
                             error: Exception | None, name: str, comm: Comm) -> None:
         """Step 1 of `Note: rejecting input on every rank`.
 
         Raises:
-          TypeError / CompileError: a rank's arguments are not arrays (its own error on
-            every rank when all failed alike).
-          CompileError: the ranks passed different argument signatures, or their group
-            meshes differ in shape.
+          TypeError / ValueError / CompileError: a rank's arguments are not arrays, or
+            not whole arrays (its own error on every rank when all failed alike).
+          CompileError: the ranks passed different argument signatures or static
+            values, their group meshes differ in shape, or some ranks ran a compiled
+            step meanwhile (`Note: checking a call on every rank` in compiled.py).
         """
         mesh = self.mpmd_mesh
         digest = None
         if key is not None:
-            digest = hashlib.sha256(repr((key[0].num_leaves, key[1])).encode()).hexdigest()
+            text = repr((key[0].num_leaves, sorted(call.kwargs), key[1], static_lines(call)))
+            digest = hashlib.sha256(text.encode()).hexdigest()
         shape = tuple(mesh.group_shape.items())
         reports = agree.allgather_or_raise((digest, shape), error, comm,
                                            _ranks_failed(name, "the argument check"),
-                                           own="if_all")
+                                           own="if_all", label="argument agreement")
+        running = [r for r, report in enumerate(reports) if is_step_check(report)]
+        if running:
+            compiling = [r for r in range(len(reports)) if r not in running]
+            raise CompileError(
+                f"{name}: rank(s) {compiling} compiled the step for new arguments while "
+                f"rank(s) {running} ran it as compiled before, so the ranks would run "
+                "different programs: every rank must call the step with the same "
+                "argument shapes, dtypes, shardings and static values")
         shapes = [dict(r[1]) for r in reports]
         bad = agree.differing_ranks(shapes)
         if bad:
@@ -219,51 +294,93 @@ class MpmdFunction:
         differ = agree.differing_ranks([r[0] for r in reports])
         if not differ:
             return
-        everyone = agree.allgather(describe_leaves(args, key[1]), comm)
+        mine = describe_leaves(call.dynamic, key[1]) + static_lines(call)
+        everyone = agree.allgather(mine, comm, "argument agreement")
         r = differ[0]
         mine, theirs = everyone[0], everyone[r]
-        if len(mine) != len(theirs):
-            diff = (f"rank 0 passes {len(mine)} argument leaves, rank {r} passes "
-                    f"{len(theirs)}")
+        k = next((k for k, (a, b) in enumerate(zip(mine, theirs)) if a != b), None)
+        if k is None:
+            diff = (f"rank 0 passes {len(mine)} argument leaves and static values, rank "
+                    f"{r} passes {len(theirs)}")
         else:
-            k = next(k for k, (a, b) in enumerate(zip(mine, theirs)) if a != b)
             diff = f"rank 0 passes {mine[k]}, rank {r} passes {theirs[k]}"
         raise CompileError(
             f"{name}: the ranks called the step with different arguments, so they would "
             f"build different programs whose messages do not match: {diff}. Every rank "
-            "must pass the same shapes, dtypes and shardings"
+            "must pass the same shapes, dtypes, shardings and static values"
         )
 
-    def __call__(self, *args: Any) -> PyTree:
-        """Compiles for `args` (cached) and runs one step; see `compile`."""
-        return self.compile(*args)(*args)
+    def __call__(self, *args: Any, **kwargs: Any) -> PyTree:
+        """Compiles for the call (cached) and runs one step; see `compile`."""
+        compiled, call = self._compile(args, kwargs)
+        return compiled(*call.args, **call.kwargs)
 
 
 def mpmd_jit_with_loop(
     fun: Callable | None = None,
+    mpmd_mesh: MpmdMesh | None = None,
     *,
-    mpmd_mesh: MpmdMesh,
     in_shardings: Any = None,
     out_shardings: Any = None,
-    donate_argnums: int | Sequence[int] = (),
+    in_specs: Any = None,
+    out_specs: Any = None,
+    static_argnums: int | Sequence[int] | None = None,
+    static_argnames: str | Iterable[str] | None = None,
+    donate_argnums: int | Sequence[int] | None = None,
+    donate_argnames: str | Iterable[str] | None = None,
+    compiler_options: dict[str, Any] | None = None,
 ) -> MpmdFunction | Callable[[Callable], MpmdFunction]:
     """Compiles a training step that calls `treduce` once into a pipelined MPMD step.
+
+    The options are `jax.jit`'s, as in JaxPP; see Note: the step's arguments (in
+    arguments.py) for how a call is split.
 
     Args:
       fun: the step. It calls `treduce` (or `treduce_i`) once; its loop body marks the
         end of every stage with `mark_stage_end`.
       mpmd_mesh: the mesh; its MPMD dimension must be the schedule's `mpmd_dim`.
-      in_shardings: None, or a pytree prefix of the arguments with `PartitionSpec`
-        (or None) leaves: the layout of each argument inside its group.
+      in_shardings: None, or a pytree prefix of the dynamic positional arguments with
+        `PartitionSpec` (or sharding, or None) leaves: the layout of each argument
+        inside its group. A spec naming the MPMD axis has it dropped (Note: MPMD axis
+        in specs, in array.py). Keyword arguments keep their own layout.
       out_shardings: likewise for the results.
-      donate_argnums: arguments whose buffers the step may reuse (e.g. params and
-        optimizer state); do not use them after the call.
+      in_specs / out_specs: JaxPP's other names of `in_shardings` / `out_shardings`
+        (give one of each pair).
+      static_argnums / static_argnames: arguments that are Python values, not
+        arrays: hashable, part of the compile cache key, not passed to the program.
+      donate_argnums / donate_argnames: arguments whose buffers the step may reuse
+        (e.g. params and optimizer state); do not use them after the call.
+      compiler_options: XLA options for every stage executable, as for `jax.jit`.
 
     Returns:
       An `MpmdFunction` (used as a decorator without `fun`, the decorator).
+
+    Raises:
+      TypeError: `mpmd_mesh` is not an `MpmdMesh`, a malformed argnum, argname or
+        `compiler_options`.
+      ValueError: both names of one option, an argnum or argname the function has no
+        parameter for, or an argument both static and donated.
     """
+    for a, b, x, y in (("in_shardings", "in_specs", in_shardings, in_specs),
+                       ("out_shardings", "out_specs", out_shardings, out_specs)):
+        if x is not None and y is not None:
+            raise ValueError(f"mpmd_jit_with_loop got both {a} and {b}, two names of one "
+                             f"option: give one ({b} is JaxPP's alias)")
+    options = dict(
+        in_shardings=in_specs if in_shardings is None else in_shardings,
+        out_shardings=out_specs if out_shardings is None else out_shardings,
+        static_argnums=static_argnums, static_argnames=static_argnames,
+        donate_argnums=donate_argnums, donate_argnames=donate_argnames,
+        compiler_options=compiler_options)
     if fun is None:
-        return functools.partial(mpmd_jit_with_loop, mpmd_mesh=mpmd_mesh,
-                                 in_shardings=in_shardings, out_shardings=out_shardings,
-                                 donate_argnums=donate_argnums)
-    return MpmdFunction(fun, mpmd_mesh, in_shardings, out_shardings, donate_argnums)
+        return functools.partial(_wrap, mpmd_mesh=mpmd_mesh, **options)
+    return _wrap(fun, mpmd_mesh, **options)
+
+
+def _wrap(fun: Callable, mpmd_mesh: MpmdMesh | None, *, in_shardings: Any,
+          out_shardings: Any, donate_argnums: Any, **options: Any) -> MpmdFunction:
+    if mpmd_mesh is None:
+        raise TypeError("mpmd_jit_with_loop needs mpmd_mesh, the MpmdMesh to pipeline "
+                        "over: mpmd_jit_with_loop(step, mpmd_mesh=mesh)")
+    return MpmdFunction(fun, mpmd_mesh, in_shardings, out_shardings, donate_argnums,
+                        **options)

@@ -1,8 +1,26 @@
-"""A step's arguments: their signature (the compile cache key), specs and layout checks."""
+"""A step's arguments: static and donated ones, their signature (the compile cache key),
+specs and layout checks.
+
+Note: the step's arguments.
+  A call `step(*args, **kwargs)` is split as `jax.jit` splits it (`split_call`): the
+  static arguments (`static_argnums` / `static_argnames`, each inferred from the other
+  through the function's signature) are taken out and keyed by value; the program
+  takes the rest as the pytree `(dynamic args, dynamic kwargs)`, whose dict flattens
+  sorted by name, so the flat arguments are deterministic. `in_shardings` covers the
+  dynamic positional arguments (as in `jax.jit`); keyword arguments keep their own
+  layout (an `MpmdArray`'s spec, else replicated). The compile cache key is (that
+  pytree's structure, per leaf (shape, dtype, weak type, spec), the static values);
+  ranks compare its digest, static values by their `repr` (`static_lines`).
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import inspect
 import math
+import re
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
@@ -10,11 +28,214 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxpp_mpi._src.array import MpmdArray, MpmdSharding
+from jaxpp_mpi._src.array import MpmdArray, MpmdSharding, without_axis
 from jaxpp_mpi._src.types import PyTree, Spec
 
-__all__ = ["abstract", "check_layout", "describe_leaves", "paths", "per_leaf", "signature",
-           "spec_entries"]
+__all__ = ["ArgNums", "Call", "abstract", "check_layout", "describe_leaves", "paths",
+           "per_leaf", "resolve_argnums", "signature", "spec_entries", "split_call",
+           "static_lines"]
+
+
+# -- static and donated arguments (Note: the step's arguments) ---------------------------
+
+
+def _ints(value: int | Iterable[int] | None, what: str) -> tuple[int, ...]:
+    """None, an int or ints, as a tuple of ints.
+
+    Raises:
+      TypeError: an entry is not an int (a bool is not).
+    """
+    if value is None:
+        return ()
+    try:
+        items = (value,) if isinstance(value, (int, np.integer)) else tuple(value)
+    except TypeError:
+        items = (value,)
+    for i in items:
+        if isinstance(i, bool) or not isinstance(i, (int, np.integer)):
+            raise TypeError(f"{what} must be an int or a sequence of ints, got {value!r}")
+    return tuple(int(i) for i in items)
+
+
+def _names(value: str | Iterable[str] | None, what: str) -> tuple[str, ...]:
+    """None, a str or strs, as a tuple of strs.
+
+    Raises:
+      TypeError: an entry is not a str.
+    """
+    if value is None:
+        return ()
+    try:
+        items = (value,) if isinstance(value, str) else tuple(value)
+    except TypeError:
+        items = (value,)
+    for n in items:
+        if not isinstance(n, str):
+            raise TypeError(f"{what} must be a str or a sequence of strs, got {value!r}")
+    return items
+
+
+@dataclasses.dataclass(frozen=True)
+class ArgNums:
+    """Which arguments of a step are static and which donated (`resolve_argnums`).
+
+    Attributes:
+      static_argnums / static_argnames: static arguments by position / by name.
+      donate_argnums / donate_argnames: donated arguments by position / by name.
+      params: the positions the function's signature has a parameter at (an index
+        there may be absent from a call: passed by keyword, or defaulted); None when
+        it takes `*args` or has no signature.
+    """
+
+    static_argnums: tuple[int, ...] = ()
+    static_argnames: tuple[str, ...] = ()
+    donate_argnums: tuple[int, ...] = ()
+    donate_argnames: tuple[str, ...] = ()
+    params: int | None = None
+
+
+def resolve_argnums(fun: Callable, *, static_argnums: Any = None, static_argnames: Any = None,
+                    donate_argnums: Any = None, donate_argnames: Any = None) -> ArgNums:
+    """The static and donated arguments of `fun`, each position completed with its
+    parameter's name and each name with its position, as `jax.jit` does.
+
+    Raises:
+      TypeError: an argnum is not an int, or an argname not a str.
+      ValueError: a position or name `fun` has no parameter for, or an argument both
+        static and donated.
+    """
+    nums = {"static_argnums": _ints(static_argnums, "static_argnums"),
+            "donate_argnums": _ints(donate_argnums, "donate_argnums")}
+    names = {"static_argnames": _names(static_argnames, "static_argnames"),
+             "donate_argnames": _names(donate_argnames, "donate_argnames")}
+    fun_name = getattr(fun, "__name__", "the step")
+    try:
+        params = list(inspect.signature(fun).parameters.values())
+    except (TypeError, ValueError):  # no signature (a builtin): take the options as given
+        params = None
+    count = None
+    if params is not None:
+        kinds = [p.kind for p in params]
+        positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY,
+                                                       p.POSITIONAL_OR_KEYWORD)]
+        by_name = {p.name: i for i, p in enumerate(positional)
+                   if p.kind is p.POSITIONAL_OR_KEYWORD}
+        keywords = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD,
+                                                         p.KEYWORD_ONLY)}
+        if inspect.Parameter.VAR_POSITIONAL not in kinds:
+            count = len(positional)
+        for what, given in nums.items():
+            if count is not None and any(not -count <= i < count for i in given):
+                raise ValueError(f"{what}={given}, but {fun_name} takes {count} positional "
+                                 "arguments")
+        for what, given in names.items():
+            unknown = [n for n in given if n not in keywords]
+            if unknown and inspect.Parameter.VAR_KEYWORD not in kinds:
+                raise ValueError(f"{what} has {unknown}, which {fun_name} has no keyword "
+                                 f"parameter for (it has {sorted(keywords)})")
+        for kind in ("static", "donate"):
+            num_key, name_key = f"{kind}_argnums", f"{kind}_argnames"
+            idx = [i % count if count and i < 0 else i for i in nums[num_key]]
+            from_names = [by_name[n] for n in names[name_key] if n in by_name]
+            from_nums = [positional[i].name for i in idx
+                         if 0 <= i < len(positional) and positional[i].name in by_name]
+            nums[num_key] = tuple(sorted(set(idx) | set(from_names)))
+            names[name_key] = tuple(sorted(set(names[name_key]) | set(from_nums)))
+    both = sorted(set(nums["static_argnums"]) & set(nums["donate_argnums"]))
+    both += sorted(set(names["static_argnames"]) & set(names["donate_argnames"]))
+    if both:
+        raise ValueError(f"argument(s) {both} of {fun_name} are both static and donated: a "
+                         "static argument is not passed to the program, so it has no "
+                         "buffer to donate; drop it from one of the two")
+    return ArgNums(**nums, **names, params=count)
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """One call of a step, split (Note: the step's arguments).
+
+    Attributes:
+      args: the dynamic positional arguments.
+      kwargs: the dynamic keyword arguments, sorted by name.
+      static: (position or name, value) of each static argument, positions first.
+      donated: per dynamic argument (positional, then keyword), whether it is donated.
+    """
+
+    args: tuple
+    kwargs: dict[str, Any]
+    static: tuple[tuple[int | str, Any], ...]
+    donated: tuple[bool, ...]
+
+    @property
+    def dynamic(self) -> tuple[tuple, dict[str, Any]]:
+        """The pytree the program takes: `(args, kwargs)`."""
+        return self.args, self.kwargs
+
+    def bind(self, fun: Callable) -> Callable:
+        """`fun` as a function of `(args, kwargs)` like `dynamic`, the static values put
+        back where the call had them."""
+        at = {i: v for i, v in self.static if isinstance(i, int)}
+        by_name = {k: v for k, v in self.static if isinstance(k, str)}
+        count = len(self.args) + len(at)
+
+        @functools.wraps(fun)
+        def bound(args: tuple, kwargs: dict[str, Any]) -> Any:
+            rest = iter(args)
+            full = [at[i] if i in at else next(rest) for i in range(count)]
+            return fun(*full, **kwargs, **by_name)
+
+        return bound
+
+
+def split_call(argnums: ArgNums, args: tuple, kwargs: dict[str, Any], name: str) -> Call:
+    """Splits `step(*args, **kwargs)` into static and dynamic arguments.
+
+    Raises:
+      TypeError: a static value is not hashable (it keys the compile cache).
+      ValueError: an argnum past the call's positional arguments where `fun` has no
+        parameter there.
+    """
+    n = len(args)
+    static_at = {i % n if i < 0 and n else i for i in argnums.static_argnums}
+    donate_at = {i % n if i < 0 and n else i for i in argnums.donate_argnums}
+    for what, idx in (("static_argnums", static_at), ("donate_argnums", donate_at)):
+        missing = sorted(i for i in idx if not 0 <= i < n
+                         and (argnums.params is None or i >= argnums.params))
+        if missing:
+            raise ValueError(f"{what} has {missing}, but {name} got {n} positional "
+                             "arguments")
+    static: list[tuple[int | str, Any]] = [(i, args[i]) for i in sorted(static_at) if i < n]
+    static += [(k, kwargs[k]) for k in sorted(kwargs) if k in argnums.static_argnames]
+    for where, value in static:
+        try:
+            hash(value)
+        except TypeError:
+            shown = f"args[{where}]" if isinstance(where, int) else f"kwargs[{where!r}]"
+            raise TypeError(
+                f"static argument {shown} of {name} is a {type(value).__name__}, which is "
+                "not hashable; static values key the compile cache (as with jax.jit): pass "
+                "a hashable value (a tuple, not a list; a frozen dataclass)") from None
+    dyn_args = tuple(a for i, a in enumerate(args) if i not in static_at)
+    dyn_kwargs = {k: kwargs[k] for k in sorted(kwargs) if k not in argnums.static_argnames}
+    donated = [i in donate_at for i in range(n) if i not in static_at]
+    donated += [k in argnums.donate_argnames for k in dyn_kwargs]
+    return Call(dyn_args, dyn_kwargs, tuple(static), tuple(donated))
+
+
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def static_lines(call: Call) -> list[str]:
+    """One line per static argument, as ranks compare them: its `repr`, or its type
+    where the repr shows a memory address (different on every rank)."""
+    out = []
+    for where, value in call.static:
+        shown = f"args[{where}]" if isinstance(where, int) else f"kwargs[{where!r}]"
+        text = repr(value)
+        if _ADDRESS.search(text):
+            text = f"<{type(value).__module__}.{type(value).__qualname__}>"
+        out.append(f"static {shown} = {text}")
+    return out
 
 
 def _is_spec_leaf(x: Any) -> bool:
@@ -45,8 +266,9 @@ def per_leaf(prefix: PyTree, tree: jax.tree_util.PyTreeDef, what: str) -> list[A
     return out
 
 
-def spec_entries(spec: Any, what: str) -> Spec | None:
-    """The entries of a user's spec (a `PartitionSpec`, or a sharding's spec).
+def spec_entries(spec: Any, what: str, mpmd_axis: str | None = None) -> Spec | None:
+    """The entries of a user's spec (a `PartitionSpec`, or a sharding's spec), the MPMD
+    axis `mpmd_axis` dropped (`Note: MPMD axis in specs` in array.py).
 
     Raises:
       TypeError: `spec` is neither None, a `PartitionSpec` nor a sharding.
@@ -57,6 +279,8 @@ def spec_entries(spec: Any, what: str) -> Spec | None:
         spec = spec.spec
     if not isinstance(spec, PartitionSpec):
         raise TypeError(f"{what}: expected a PartitionSpec or None, got {spec!r}")
+    if mpmd_axis is not None:
+        spec = without_axis(spec, mpmd_axis)
     return tuple(spec)
 
 
@@ -107,9 +331,13 @@ NON_ARRAY_HINT = (
 
 
 def paths(tree: PyTree) -> list[str]:
-    """`args[0]['w']`-style names of the leaves of `tree` (an argument tuple)."""
-    return ["args" + jax.tree_util.keystr(p)
-            for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    """`args[0]['w']` / `kwargs['batch']`-style names of the leaves of `tree`, a call's
+    `(args, kwargs)` (`Call.dynamic`)."""
+    out = []
+    for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        head = "args" if p[0].idx == 0 else "kwargs"
+        out.append(head + jax.tree_util.keystr(p[1:]))
+    return out
 
 
 def check_layout(spec: Spec | None, shape: tuple[int, ...], group_shape: dict[str, int],
@@ -147,20 +375,48 @@ def check_layout(spec: Spec | None, shape: tuple[int, ...], group_shape: dict[st
             )
 
 
-def signature(args: tuple) -> tuple:
-    """The cache key of `args`: (pytree structure, per leaf (shape, dtype name, weak
-    type, spec)).
+def _mpmd_block(x: Any, mpmd_axis: str) -> PartitionSpec | None:
+    """The spec of `x` when it is laid out over the MPMD axis (a `jax.Array` whose
+    `NamedSharding` names it), else None."""
+    sharding = getattr(x, "sharding", None) if isinstance(x, jax.Array) else None
+    if not isinstance(sharding, NamedSharding) or mpmd_axis not in sharding.mesh.axis_names:
+        return None
+    spec = sharding.spec
+    return spec if without_axis(spec, mpmd_axis) != spec else None
+
+
+def signature(call: Call, mpi: tuple[str, int] | None = None) -> tuple:
+    """The cache key of `call`: (structure of `call.dynamic`, per leaf (shape, dtype
+    name, weak type, spec), the static arguments).
+
+    Args:
+      call: the split call.
+      mpi: in MPI mode, (the MPMD axis, `mpmd_dim`): an array laid out over the axis
+        is this rank's block of a larger array (Note: SPMD layouts in
+        reshard/planning.py), which a step does not take.
 
     Raises:
       TypeError: a leaf is not an array (see `abstract`), named by its path.
+      ValueError: (MPI mode) a leaf is a block laid out over the MPMD axis.
     """
-    leaves, tree = jax.tree.flatten(args)
+    tree_args = call.dynamic
+    leaves, tree = jax.tree.flatten(tree_args)
     sig = []
     for j, x in enumerate(leaves):
         try:
             a = abstract(x)
         except TypeError as e:
-            raise TypeError(f"argument {paths(args)[j]} {e}") from None
+            raise TypeError(f"argument {paths(tree_args)[j]} {e}") from None
+        block = None if mpi is None else _mpmd_block(x, mpi[0])
+        if block is not None:
+            raise ValueError(
+                f"argument {paths(tree_args)[j]} is laid out over the MPMD axis "
+                f"{mpi[0]!r} ({block}): under MPI such an array is this rank's block of an "
+                f"array {mpi[1]} times larger along that dimension (as under "
+                "multi-controller JAX), and a step takes whole arrays: pass the whole "
+                "array (laid out without the MPMD axis), or assemble the blocks with "
+                "spmd_to_mpmd_reshard(mesh, x, sharding) on every rank (sharding from "
+                "compiled.in_shardings) and pass the MpmdArray it returns")
         # An MpmdArray's layout is part of the signature; a replicated one and a
         # plain array (placed replicated) compile alike, so a loop that feeds its
         # outputs back hits the cache.
@@ -168,12 +424,12 @@ def signature(args: tuple) -> tuple:
         while spec and spec[-1] is None:
             spec.pop()
         sig.append((a.shape, _dtype_name(a.dtype), a.weak_type, tuple(spec)))
-    return tree, tuple(sig)
+    return tree, tuple(sig), call.static
 
 
-def describe_leaves(args: tuple, sig: tuple) -> list[str]:
+def describe_leaves(args: PyTree, sig: tuple) -> list[str]:
     """One line per argument leaf: path, dtype, shape, weak type and spec (from the
-    signature `sig` of `args`), as ranks compare them."""
+    signature `sig` of `args`, a call's `(args, kwargs)`), as ranks compare them."""
     return [f"{a} {d}{list(s)}{' weak' if w else ''}"
             f"{' spec ' + str(PartitionSpec(*p)) if p else ''}"
             for a, (s, d, w, p) in zip(paths(args), sig)]

@@ -32,7 +32,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpp_mpi._src.mesh import MpmdMesh
 
-__all__ = ["MpmdArray", "MpmdSharding", "mpmd_array_from_local"]
+__all__ = ["MpmdArray", "MpmdSharding", "mpmd_array_from_local", "without_axis"]
 
 
 def _format_spec(spec: PartitionSpec) -> str:
@@ -48,6 +48,36 @@ def _spec_axis_names(spec: PartitionSpec) -> list[str]:
     return names
 
 
+def without_axis(spec: PartitionSpec, axis: str) -> PartitionSpec:
+    """`spec` with the mesh axis `axis` removed from every entry (`Note: MPMD axis in
+    specs`): `P("mpmd", "data")` -> `P(None, "data")`, `P(("model", "mpmd"))` ->
+    `P("model")`; `spec` itself when it does not name `axis`."""
+    if axis not in _spec_axis_names(spec):
+        return spec
+    entries = []
+    for entry in spec:
+        if isinstance(entry, tuple):
+            kept = tuple(name for name in entry if name != axis)
+            entry = kept[0] if len(kept) == 1 else (kept or None)
+        elif entry == axis:
+            entry = None
+        entries.append(entry)
+    return PartitionSpec(*entries)
+
+
+# Note: MPMD axis in specs.
+#   A spec naming the MPMD axis (in `in_shardings`, `out_shardings`, an `MpmdSharding`)
+#   means what it means in JaxPP: JaxPP lays every value out on its "lowering mesh", the
+#   group mesh with the MPMD axis kept at size 1 (`MpmdMesh.lowering_mesh`), and its
+#   `MpmdSharding.__post_init__` filters the axis out of the spec (`filter_axes`) for
+#   that reason: splitting a dimension one way leaves it whole. So the axis is dropped
+#   with its meaning intact (`without_axis`), inside a tuple entry too. The MPMD axis
+#   never says which groups hold a value (that is `mesh_ids`, or the step's placement),
+#   and a value is never split across groups. An *array* laid out over the MPMD axis is
+#   another matter: under MPI it is this rank's block of a larger array (Note: SPMD
+#   layouts in reshard/planning.py), which a step refuses (`arguments.signature`).
+
+
 @dataclasses.dataclass(frozen=True)
 class MpmdSharding:
     """The MPMD groups holding a value and its layout inside each group.
@@ -56,12 +86,13 @@ class MpmdSharding:
       mpmd_mesh: the mesh.
       mesh_ids: the groups holding the value (any iterable of MPMD indexes, or one
         index); stored as a sorted tuple.
-      spec: a `PartitionSpec` over the group axes (`mpmd_mesh.group_axis_names`);
-        it must not name the MPMD axis. None means `PartitionSpec()`.
+      spec: a `PartitionSpec` over the group axes (`mpmd_mesh.group_axis_names`).
+        The MPMD axis, if named, is dropped (`Note: MPMD axis in specs`), as JaxPP
+        does. None means `PartitionSpec()`.
 
     Raises:
-      ValueError: no groups, an index out of range, or a spec naming the MPMD axis, an
-        unknown axis or an axis twice.
+      ValueError: no groups, an index out of range, or a spec naming an unknown axis
+        or an axis twice.
     """
 
     mpmd_mesh: MpmdMesh
@@ -86,15 +117,9 @@ class MpmdSharding:
         spec = PartitionSpec() if self.spec is None else self.spec
         if not isinstance(spec, PartitionSpec):
             raise TypeError(f"spec must be a jax.sharding.PartitionSpec, got {spec!r}")
+        spec = without_axis(spec, self.mpmd_mesh.mpmd_axis_name)
         names = _spec_axis_names(spec)
-        mpmd_axis = self.mpmd_mesh.mpmd_axis_name
         group_axes = self.mpmd_mesh.group_axis_names
-        if mpmd_axis in names:
-            raise ValueError(
-                f"spec {_format_spec(spec)} names the MPMD axis {mpmd_axis!r}; an "
-                "MpmdSharding's spec is the layout inside each group, over the group axes "
-                f"{group_axes}. The groups holding the value are given by mesh_ids."
-            )
         unknown = [n for n in names if n not in group_axes]
         if unknown:
             raise ValueError(

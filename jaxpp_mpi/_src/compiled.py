@@ -8,7 +8,20 @@ Note: calling a compiled step.
   as it is, with no copy), adds the constants and the microbatch indexes (placed once,
   at compile time), runs the executor and wraps every result as an `MpmdArray` on the
   groups that hold it. Results feed the next step with no transfer: each updated
-  parameter is produced on the group that owns the parameter.
+  parameter is produced on the group that owns the parameter. It takes the call's
+  dynamic arguments, `(args, kwargs)` as `jax.jit`'s compiled objects do (Note: the
+  step's arguments, in arguments.py).
+
+Note: checking a call on every rank.
+  Before a step sends anything, its call is checked (`MpmdCompiled._check_call`): the
+  pytree structure, each `MpmdArray` held by the group that reads it (metadata, alike on
+  every rank), and each array this process reads not deleted (a donated input used
+  again: this rank only). In MPI mode the outcome is agreed with one small allgather
+  per step (Note: raise on every rank, in agree.py): when any rank failed, every rank
+  raises, so a rank whose user catches the error does not leave the others in a step
+  that waits for it. The allgather carries `(STEP_CHECK, program hash)`: ranks running
+  different compiled steps raise too, and so do ranks running a step while another
+  compiles (its first allgather meets theirs: `Note: rejecting input on every rank`).
 """
 
 from __future__ import annotations
@@ -28,12 +41,14 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from jaxpp_mpi._src import agree, compat
 from jaxpp_mpi._src.arguments import paths
 from jaxpp_mpi._src.array import MpmdArray, MpmdSharding, mpmd_array_from_local
+from jaxpp_mpi._src.compiler import deferred
 from jaxpp_mpi._src.compiler.build import StepPlan
 from jaxpp_mpi._src.compiler.loop_tasks import key_struct
 from jaxpp_mpi._src.errors import CompileError
 from jaxpp_mpi._src.ir.layouts import LayoutError, donation_pairs, infer_layouts
 from jaxpp_mpi._src.ir.program import Aval, GroupProgram, Program, Run
 from jaxpp_mpi._src.mesh import MpmdMesh
+from jaxpp_mpi._src.runtime import failure
 from jaxpp_mpi._src.types import PyTree, Spec
 
 if TYPE_CHECKING:
@@ -41,17 +56,36 @@ if TYPE_CHECKING:
     from jaxpp_mpi._src.runtime.local import LocalExecutor
     from jaxpp_mpi._src.runtime.mpi import MpiExecutor  # imports mpi4py: only when used
 
-__all__ = ["MpmdCompiled", "compile_exe"]
+__all__ = ["STEP_CHECK", "MpmdCompiled", "compile_exe", "is_step_check"]
 
 # Progress of compilation, at INFO on rank 0 (local mode: the one process); quiet unless
 # the application enables it, e.g. logging.basicConfig(level=logging.INFO).
 logger = logging.getLogger("jaxpp_mpi")
 _REPORT_EVERY_S = 5.0
 
+STEP_CHECK = "jaxpp_mpi.step-call-check"
+"""Tags a rank's report in a per-call check (`Note: checking a call on every rank`)."""
+
+
+def is_step_check(report: Any) -> bool:
+    """Whether an allgathered value is a rank's per-call check report."""
+    return isinstance(report, tuple) and len(report) == 2 and report[0] == STEP_CHECK
+
+
+def _call_failed(failed: list[int], messages: Sequence[str | None]) -> ValueError:
+    """The error every rank raises when some ranks' call check failed."""
+    ok = [r for r, m in enumerate(messages) if m is None]
+    return ValueError(
+        f"the step's arguments failed the check on rank(s) {failed} and passed on rank(s) "
+        f"{ok}, so no rank runs the step (the others would wait for it): every rank must "
+        f"call the step with the same, live arguments. Rank {failed[0]}: "
+        f"{messages[failed[0]]}")
+
 
 def compile_exe(exe: Exe, in_avals: Sequence[Aval], out_avals: Sequence[Aval],
                 sharding: Callable[[Aval], jax.sharding.Sharding],
-                free: Sequence[bool] = ()) -> jax.stages.Compiled:
+                free: Sequence[bool] = (),
+                compiler_options: dict[str, Any] | None = None) -> jax.stages.Compiled:
     """AOT-compiles one executable for one group, every buffer laid out as its Aval says.
 
     Args:
@@ -60,6 +94,7 @@ def compile_exe(exe: Exe, in_avals: Sequence[Aval], out_avals: Sequence[Aval],
       sharding: Aval -> the sharding of such a value on the group.
       free: per output, True where XLA chooses its layout (`Note: layouts`); the
         compiled executable's `output_shardings` say what it chose.
+      compiler_options: XLA options, as `jax.jit(...).lower(...).compile` takes them.
 
     Returns:
       A `jax.stages.Compiled`: called with the input arrays, it returns the outputs.
@@ -71,7 +106,7 @@ def compile_exe(exe: Exe, in_avals: Sequence[Aval], out_avals: Sequence[Aval],
                for a, s in zip(in_avals, in_sh)]
     jitted = jax.jit(exe.fn, in_shardings=in_sh, out_shardings=out_sh,
                      donate_argnums=exe.donate_argnums)
-    return jitted.lower(*structs).compile()
+    return jitted.lower(*structs).compile(compiler_options or None)
 
 
 def _spec(spec: PartitionSpec) -> Spec:
@@ -103,21 +138,35 @@ class MpmdCompiled:
     """A step compiled for one argument signature (see `Note: calling a compiled step`).
 
     Attributes:
-      in_shardings: a pytree like the arguments: per leaf, the `MpmdSharding` of the
-        group that owns it (None for an argument the step does not read).
+      in_shardings: `(args, kwargs)` like the dynamic arguments, as for `jax.jit`'s
+        compiled objects: per leaf, the `MpmdSharding` of the group that owns it (None
+        for an argument the step does not read).
       out_shardings: a pytree like the result: per leaf, where it lives.
       plan: the `StepPlan` (program, executables' specs, input and output layout).
+
+    Args:
+      plan: the step's plan.
+      mesh: the mesh.
+      in_tree: the structure of the call's `(args, kwargs)`.
+      compiler_options: XLA options for every executable (`compile_exe`).
+      trace: returns the whole step traced as a `ClosedJaxpr` (`closed_jaxpr`).
     """
 
-    def __init__(self, plan: StepPlan, mesh: MpmdMesh, in_tree: jax.tree_util.PyTreeDef):
+    def __init__(self, plan: StepPlan, mesh: MpmdMesh, in_tree: jax.tree_util.PyTreeDef,
+                 *, compiler_options: dict[str, Any] | None = None,
+                 trace: Callable[[], Any] | None = None):
         self.mesh = mesh
+        self._compiler_options = compiler_options or None
+        self._trace = trace
         self._in_tree = in_tree
         self._shardings: dict[tuple[int, Aval], NamedSharding] = {}
         self._auto_meshes: dict[int, Mesh] = {}
         self._executables: list[dict[str, jax.stages.Compiled]] = [
             {} for _ in range(plan.num_groups)]
+        self._unreduced: dict[tuple[int, str], deferred.Unreduced] = {}
         if math.prod(mesh.group_shape.values()) > 1:
             plan = self._infer_layouts(plan)
+            self._defer_reductions(plan)
         self.plan = plan
         n_consts = len(plan.consts)
         in_sh = []
@@ -219,8 +268,15 @@ class MpmdCompiled:
         mine = {}
         for k, (name, exe) in enumerate(exes.items(), 1):
             ins, outs = plan.exe_avals[g][name]
-            mine[name] = self._executables[g].get(name) or compile_exe(
-                exe, ins, outs, functools.partial(self.sharding, g))
+            unreduced = self._unreduced.get((g, name))
+            if unreduced is not None:
+                mine[name] = deferred.compile_deferred(
+                    exe, ins, outs, unreduced, self._auto_mesh(g),
+                    compiler_options=self._compiler_options)
+            else:
+                mine[name] = self._executables[g].get(name) or compile_exe(
+                    exe, ins, outs, functools.partial(self.sharding, g),
+                    compiler_options=self._compiler_options)
             now = time.perf_counter()
             if report and k < len(exes) and now - last >= _REPORT_EVERY_S:
                 logger.info("group %d: %d/%d compiled, %.1f s", g, k, len(exes), now - start)
@@ -240,23 +296,30 @@ class MpmdCompiled:
                     fixed: tuple[bool, ...]) -> tuple[Spec, ...]:
             sharding = functools.partial(self.sharding, g)
             exe = compile_exe(plan.exes[g][name], ins, outs, sharding,
-                              free=[not f for f in fixed])
+                              free=[not f for f in fixed],
+                              compiler_options=self._compiler_options)
             mesh_of = self._auto_mesh(g)
             chosen = [compat.mesh_spec(sh, mesh_of) for sh in exe.output_shardings]
             if any(spec is None for spec in chosen):  # not a mesh layout: replicate it
                 outs = tuple(a if spec is None else dataclasses.replace(a, spec=_spec(spec))
                              for a, spec in zip(outs, chosen))
-                exe = compile_exe(plan.exes[g][name], ins, outs, sharding)
+                exe = compile_exe(plan.exes[g][name], ins, outs, sharding,
+                                  compiler_options=self._compiler_options)
                 chosen = [sh.spec for sh in exe.output_shardings]
             self._executables[g][name] = exe
             return tuple(_spec(spec) for spec in chosen)
 
         exchange = None
+        started = time.perf_counter()
         if not mesh.is_local:
             def exchange(mine):
                 error = mine if isinstance(mine, Exception) else None
+                # A peer may still be compiling: this rank's own compile time so far
+                # extends the deadline (`Note: deadlines` in runtime/failure.py).
+                failure.record_work("compile barrier", time.perf_counter() - started)
                 gathered = agree.allgather_or_raise(
-                    None if error else mine, error, mesh.comm, _compile_failed, own="if_all")
+                    None if error else mine, error, mesh.comm, _compile_failed, own="if_all",
+                    label="compile barrier")
                 return {k: v for layouts in gathered for k, v in layouts.items()}
 
         fixed = {k: a.spec for k, (a, f) in enumerate(zip(plan.output_avals,
@@ -286,6 +349,15 @@ class MpmdCompiled:
                 output_avals[k] = g.aval(b)
         return dataclasses.replace(plan, program=program, exe_avals=exe_avals,
                                    output_avals=tuple(output_avals))
+
+    def _defer_reductions(self, plan: StepPlan) -> None:
+        """Decides, for this process's groups, which gradient sums are reduced once per
+        step instead of once per microbatch (`Note: deferred reduction`)."""
+        for g in self.mesh.local_groups:
+            for name, u in deferred.plan_group(plan.exes[g], plan.exe_avals[g],
+                                               self._auto_mesh(g)).items():
+                self._unreduced[(g, name)] = u
+                self._executables[g].pop(name, None)  # compiled by the layout pass
 
     def _make_executor(self) -> LocalExecutor | MpiExecutor:
         """Compiles the executables of this process's groups; returns the executor that
@@ -333,43 +405,101 @@ class MpmdCompiled:
             return held if held is not None else x._value_replica(f"flat argument {k}")
         return x
 
-    def _check_args(self, leaves: list, args: tuple) -> None:
-        """Raises, on every rank alike, for an MpmdArray held away from its owner group.
+    @functools.cached_property
+    def _program_hash(self) -> str:
+        return self.plan.program.hash()
 
-        In local mode the executor copies such an array; in MPI mode only its holders
-        have the data, so the step cannot start.
+    @functools.cached_property
+    def closed_jaxpr(self) -> Any:
+        """The whole step as JAX traced it, a `ClosedJaxpr` over the flat dynamic
+        arguments (`(args, kwargs)` flattened), before it is split into stages (JaxPP's
+        `closed_jaxpr` holds its transformed form; print this one to read the step).
+
+        Raises:
+          ValueError: this object was built without its step (not by `compile`).
         """
-        if self.mesh.is_local:
-            return
-        n_consts = len(self.plan.consts)
-        for j, x in enumerate(leaves):
-            owner = self.plan.input_owner[n_consts + j]
-            if isinstance(x, MpmdArray) and owner is not None and owner not in x.mpmd_idxs:
-                raise ValueError(
-                    f"argument {paths(args)[j]} is an MpmdArray held by groups "
-                    f"{sorted(x.mpmd_idxs)}, "
-                    f"but this step reads it on group {owner}: pass the array this step's "
-                    f"in_shardings place there (compiled.in_shardings), or a plain array "
-                    "present on every rank"
-                )
+        if self._trace is None:
+            raise ValueError("this MpmdCompiled was built without its step; compile it "
+                             "with mpmd_jit_with_loop(...).compile(...)")
+        return self._trace()
 
-    def __call__(self, *args: Any) -> PyTree:
+    def _describe_tree(self) -> str:
+        args_tree, kwargs_tree = self._in_tree.children()
+        names = sorted(jax.tree.unflatten(kwargs_tree, [0] * kwargs_tree.num_leaves))
+        return (f"{len(args_tree.children())} positional argument(s) and keyword "
+                f"argument(s) {names}")
+
+    def _call_error(self, leaves: list, tree: Any, call: tuple) -> ValueError | None:
+        """This process's verdict on a call (`Note: checking a call on every rank`)."""
+        if tree != self._in_tree:
+            return ValueError(
+                f"the step was compiled for {self._describe_tree()} with structure "
+                f"{self._in_tree}, and is called with structure {tree}; a compiled step "
+                "takes the dynamic arguments only (static ones are part of it), as "
+                "jax.jit's compiled objects do")
+        n_consts = len(self.plan.consts)
+        owners = self.plan.input_owner[n_consts:n_consts + len(leaves)]
+        local = self.mesh.local_groups
+        for j, (x, owner) in enumerate(zip(leaves, owners)):
+            if (not self.mesh.is_local and isinstance(x, MpmdArray) and owner is not None
+                    and owner not in x.mpmd_idxs):
+                return ValueError(
+                    f"argument {paths(call)[j]} is an MpmdArray held by groups "
+                    f"{sorted(x.mpmd_idxs)}, but this step reads it on group {owner}: "
+                    "pass the array this step's in_shardings place there "
+                    "(compiled.in_shardings), or a plain array present on every rank")
+        for j, (x, owner) in enumerate(zip(leaves, owners)):
+            if owner in local and isinstance(x, (jax.Array, MpmdArray)) and x.is_deleted():
+                return ValueError(
+                    f"argument {paths(call)[j]} has been deleted (donated to an earlier "
+                    "step, or consumed by a reshard): pass the step's result in its "
+                    "place, or a fresh array")
+        return None
+
+    def _check_call(self, args: tuple, kwargs: dict[str, Any]) -> list:
+        """Checks a call on every rank alike; returns its flat arguments (`Note:
+        checking a call on every rank`).
+
+        Raises:
+          ValueError: on every rank, when the call failed the check on any rank.
+          CompileError: on every rank, when the ranks run different compiled steps, or
+            some rank compiles meanwhile.
+        """
+        call = (args, kwargs)
+        leaves, tree = jax.tree.flatten(call)
+        error = self._call_error(leaves, tree, call)
+        comm = None if self.mesh.is_local else self.mesh.comm
+        reports = agree.allgather_or_raise((STEP_CHECK, self._program_hash), error, comm,
+                                           _call_failed, own="if_all",
+                                           label="step call agreement")
+        compiling = [r for r, report in enumerate(reports) if not is_step_check(report)]
+        differ = agree.differing_ranks(reports)
+        if compiling or differ:
+            running = [r for r in range(len(reports)) if r not in compiling]
+            what = (f"rank(s) {compiling} compiled the step for new arguments while rank(s) "
+                    f"{running} ran it as compiled before" if compiling else
+                    f"rank(s) {differ} ran another compiled step than rank 0")
+            raise CompileError(
+                f"{what}, so their messages would not match: every rank must call the "
+                "step with the same argument shapes, dtypes, shardings and static values")
+        return leaves
+
+    def __call__(self, *args: Any, **kwargs: Any) -> PyTree:
         """Runs one step.
 
         Args:
-          *args: the arguments, with the pytree structure compiled for.
+          *args, **kwargs: the dynamic arguments, with the pytree structure compiled for.
 
         Returns:
           The result pytree of `MpmdArray`s.
 
         Raises:
-          ValueError: the arguments have another structure, or (MPI mode) an
-            `MpmdArray` argument is held away from the group that reads it.
+          ValueError: on every rank (MPI mode), when on any rank the arguments have
+            another structure, an `MpmdArray` is held away from the group that reads
+            it, or an array read here was deleted (donated); see `Note: checking a
+            call on every rank`.
         """
-        leaves, tree = jax.tree.flatten(args)
-        if tree != self._in_tree:
-            raise ValueError(f"arguments have structure {tree}, compiled for {self._in_tree}")
-        self._check_args(leaves, args)
+        leaves = self._check_call(args, kwargs)
         plan = self.plan
         n_consts = len(plan.consts)
         inputs = list(self._fixed)

@@ -13,6 +13,7 @@ from jaxpp_mpi._src.schedules.library import DualPipeV as DualPipeV
 from jaxpp_mpi._src.schedules.library import Eager1F1B as Eager1F1B
 from jaxpp_mpi._src.schedules.library import GPipe as GPipe
 from jaxpp_mpi._src.schedules.library import Interleaved1F1B as Interleaved1F1B
+from jaxpp_mpi._src.schedules.library import InterleavedBaseSchedule as InterleavedBaseSchedule
 from jaxpp_mpi._src.schedules.library import KimiK2 as KimiK2
 from jaxpp_mpi._src.schedules.library import Std1F1B as Std1F1B
 from jaxpp_mpi._src.schedules.library import ZeroBubble as ZeroBubble
@@ -27,6 +28,7 @@ __all__ = [
     "Eager1F1B",
     "GPipe",
     "Interleaved1F1B",
+    "InterleavedBaseSchedule",
     "KimiK2",
     "SCHEDULE_NAMES",
     "ScheduleAnalysis",

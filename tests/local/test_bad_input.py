@@ -88,9 +88,8 @@ def test_non_array_argument(leaf, message):
                       "multiple of 4"),
     (P(None, "model"), r"args\[1\]\[0\]: spec P\(None, 'model'\) names \['model'\], not axes "
                        r"of the group mesh \{'data': 4\}"),
-    (P("stage"), r"names \['stage'\].*'stage' is the MPMD axis, which separates the groups"),
     (P(None, None, None, "data"), r"has shape \(4, 6, 8\), but its spec .* has 4 entries"),
-], ids=["indivisible", "unknown_axis", "mpmd_axis", "too_long"])
+], ids=["indivisible", "unknown_axis", "too_long"])
 def test_input_spec_that_does_not_fit(spec, message):
     """in_shardings on the batch inputs that cannot lay them out on a 4-device group."""
     with pytest.raises(ValueError, match=message):

@@ -568,7 +568,8 @@ def test_params_live_on_their_stage_group(schedule):
     opt_state = optimizer.init(params)
     compiled = pipelined(step).compile(opt_state, params, batch)
 
-    ins = compiled.in_shardings
+    ins, kw_ins = compiled.in_shardings  # (args, kwargs), as jax.jit's compiled objects
+    assert kw_ins == {}
     assert jax.tree.structure(ins) == jax.tree.structure((opt_state, params, batch))
     assert all(isinstance(s, jp.MpmdSharding) for s in jax.tree.leaves(ins))
     groups = [schedule.get_mpmd_idx(s) for s in range(schedule.num_stages)]

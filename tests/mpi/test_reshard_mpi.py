@@ -184,7 +184,7 @@ def test_compiled_in_shardings_feed_the_reshard(mesh):
     reference = jax.jit(step)(opt_state, params, batch)
     compiled = jaxpp_mpi.mpmd_jit_with_loop(step, mpmd_mesh=mesh).compile(opt_state, params,
                                                                           batch)
-    state_sh, params_sh, _ = compiled.in_shardings
+    (state_sh, params_sh, _), _ = compiled.in_shardings
     mpmd_state, mpmd_params = jaxpp_mpi.spmd_to_mpmd_reshard(
         mesh, jax.tree.map(jnp.copy, (opt_state, params)), (state_sh, params_sh))
     out = compiled(mpmd_state, mpmd_params, batch)

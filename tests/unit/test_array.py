@@ -71,8 +71,6 @@ def test_sharding_normalises_ids(mesh42):
     ((), P(), ValueError, "at least one MPMD group"),
     ((0, 4), P(), ValueError, r"mesh_ids \(0, 4\) out of range: the mesh has 4 groups"),
     ((-1,), P(), ValueError, "out of range"),
-    ((0,), P("stage"), ValueError, "names the MPMD axis 'stage'"),
-    ((0,), P(("data", "stage")), ValueError, "names the MPMD axis 'stage'"),
     ((0,), P("model"), ValueError, r"names axes \['model'\] that the group mesh lacks"),
     ((0,), P("data", "data"), ValueError, "more than once"),
     (("0",), P(), TypeError, "must be MPMD indexes"),

@@ -26,3 +26,27 @@ def test_unknown_name_is_an_attribute_error():
 def test_package_import_does_not_load_jax():
     code = "import sys, jaxpp_mpi; sys.exit(1 if 'jax' in sys.modules else 0)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+# JaxPP's `jaxpp.api` names (its src/jaxpp/api.py) that jaxpp_mpi does not have, and why
+# (README, "Porting from JaxPP"): multi-controller internals and JaxPP's primitives.
+# `mpmd_jit_by_yield` and `cross_mpmd_all_reduce` live in their own modules.
+JAXPP_API = {"Add", "BaseSchedule", "Concat", "DualPipeV", "Eager1F1B", "Interleaved1F1B",
+             "KimiK2", "Max", "MpmdArray", "MpmdMesh", "MpmdSharding", "Std1F1B",
+             "ZeroBubble", "collect_task_times_ms", "mark_stage_end", "mpmd_jit_with_loop",
+             "mpmd_to_spmd_reshard", "pipeline_enter_stage", "spmd_to_mpmd_reshard",
+             "treduce", "treduce_i"}
+
+
+def test_api_module_has_jaxpps_names():
+    """`import jaxpp_mpi as jaxpp; jaxpp.api.X` finds JaxPP's names, the same objects."""
+    assert JAXPP_API <= set(jaxpp_mpi.api.__all__)
+    for name in jaxpp_mpi.api.__all__:
+        assert getattr(jaxpp_mpi.api, name) is getattr(jaxpp_mpi, name), name
+
+
+def test_schedules_module_has_jaxpps_schedule_names():
+    names = {"BaseSchedule", "InterleavedBaseSchedule", "Std1F1B", "Eager1F1B", "GPipe",
+             "ZeroBubble", "Interleaved1F1B", "KimiK2", "DualPipeV", "Task"}
+    assert names <= set(jaxpp_mpi.schedules.__all__)
+    assert jaxpp_mpi.InterleavedBaseSchedule is jaxpp_mpi.schedules.InterleavedBaseSchedule

@@ -22,6 +22,7 @@ __all__ = [
     "Eager1F1B",
     "GPipe",
     "Interleaved1F1B",
+    "InterleavedBaseSchedule",
     "KimiK2",
     "SCHEDULES",
     "SCHEDULE_NAMES",
@@ -231,8 +232,16 @@ class ZeroBubble(_OneStagePerGroup):
 
 
 @dataclass(frozen=True)
-class _ManyStagesPerGroup(BaseSchedule):
-    """Base of schedules where each of ``mpmd_dim`` groups holds several stages."""
+class InterleavedBaseSchedule(BaseSchedule):
+    """Base of schedules where each of ``mpmd_dim`` groups holds several stages (JaxPP's
+    name): stage ``s`` runs on group ``s % mpmd_dim`` unless a subclass says otherwise.
+
+    Subclass it, as JaxPP users do, for a schedule with more stages than groups: give
+    ``tasks`` (and ``get_mpmd_idx`` for another placement).
+
+    Raises:
+      ValueError: ``mpmd_dim`` is not a positive int, or does not divide ``num_stages``.
+    """
 
     mpmd_dim: int
 
@@ -249,7 +258,7 @@ class _ManyStagesPerGroup(BaseSchedule):
 
 
 @dataclass(frozen=True)
-class Interleaved1F1B(_ManyStagesPerGroup):
+class Interleaved1F1B(InterleavedBaseSchedule):
     """Megatron-LM interleaved 1F1B: group ``r`` holds stages ``r, r + mpmd_dim, ...``.
 
     Microbatches go in rounds of ``g`` (``g = mpmd_dim`` when ``n`` is a multiple of it).
@@ -318,7 +327,7 @@ class KimiK2(Interleaved1F1B):
 
 
 @dataclass(frozen=True)
-class DualPipeV(_ManyStagesPerGroup):
+class DualPipeV(InterleavedBaseSchedule):
     """DeepSeek's DualPipeV: a V-shaped pipeline with ``num_stages == 2 * mpmd_dim``.
 
     Group ``r`` holds stage ``r`` (the way down) and stage ``2 * mpmd_dim - 1 - r`` (the way
@@ -436,6 +445,6 @@ def schedule_by_name(name: str, mpmd_dim: int) -> BaseSchedule:
     cls = SCHEDULES.get(name)
     if cls is None:
         raise ValueError(f"unknown schedule {name!r}; the names are {', '.join(SCHEDULE_NAMES)}")
-    if issubclass(cls, _ManyStagesPerGroup):
+    if issubclass(cls, InterleavedBaseSchedule):
         return cls(2 * mpmd_dim, mpmd_dim)
     return cls(mpmd_dim)

@@ -1,10 +1,11 @@
-"""Not a test: the preemption pattern of tests/unit/test_preemption.py.
+"""Not a test: the preemption pattern of tests/jobs/test_preemption.py.
 
     launch/jpprun -n 2 python tests/jobs/harness/preempt_training.py DIR
 
 Trains the tiny MLP of tests/models.py (one stage per rank, 1F1B) for STEPS steps,
-resuming from DIR/ckpt when it exists. Under a `PreemptionGuard`, after every step all
-ranks ask `should_stop()`; when some rank got SIGTERM they all save DIR/ckpt and exit 0.
+resuming from the checkpoint `checkpoint.find` finds at DIR/ckpt (an interrupted save's
+included). Under a `PreemptionGuard`, after every step all ranks ask `should_stop()`;
+when some rank got SIGTERM (or SIGUSR1) they all save DIR/ckpt and exit 0.
 A fresh run (no checkpoint) first trains STEPS steps uninterrupted and stores what each
 rank holds in DIR/reference_rank{r}.npz; a run that reaches STEPS stores the same in
 DIR/final_rank{r}.npz. Each step sleeps PAUSE_S so that the test can signal mid-run.
@@ -44,11 +45,12 @@ def main(directory: str) -> None:
     state = {"opt_state": opt.init(params), "params": params}
     ckpt = os.path.join(directory, "ckpt")
     first = 0
-    if os.path.exists(ckpt):
-        in_sh = step.compile(state["opt_state"], state["params"], batch).in_shardings
+    found = checkpoint.find(ckpt, mesh=mesh)
+    if found is not None:
+        in_sh, _ = step.compile(state["opt_state"], state["params"], batch).in_shardings
         state = checkpoint.restore(ckpt, state, shardings={"opt_state": in_sh[0],
                                                            "params": in_sh[1]})
-        first = checkpoint.read_manifest(ckpt).step
+        first = found.step
         print(f"rank {rank} resumed at {first}", flush=True)
     else:
         ref = (state["opt_state"], state["params"])

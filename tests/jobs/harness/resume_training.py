@@ -61,7 +61,7 @@ def main(phase: str, directory: str) -> None:
         saved = train(step, start, batch, SAVE_AT, 1, {})
         checkpoint.save(ckpt, {"opt_state": saved[0], "params": saved[1]}, step=SAVE_AT)
     else:
-        in_sh = step.compile(*start, batch).in_shardings
+        in_sh, _ = step.compile(*start, batch).in_shardings
         like = {"opt_state": start[0], "params": start[1]}
         restored = checkpoint.restore(ckpt, like,
                                       shardings={"opt_state": in_sh[0], "params": in_sh[1]})

@@ -1,0 +1,56 @@
+"""JaxPP's `jaxpp.api` names, where jaxpp_mpi has them (`jaxpp_mpi.api.X` is `jaxpp_mpi.X`).
+
+A script written for JaxPP imports `jaxpp.api` (or `from jaxpp.api import ...`); with
+`import jaxpp_mpi as jaxpp` it finds the same names here. README's "Porting from JaxPP"
+lists the names JaxPP's module has and this one does not, and why.
+"""
+
+from jaxpp_mpi._src.api import mpmd_jit_with_loop as mpmd_jit_with_loop
+from jaxpp_mpi._src.array import MpmdArray as MpmdArray
+from jaxpp_mpi._src.by_yield import mpmd_jit_by_yield as mpmd_jit_by_yield
+from jaxpp_mpi._src.cross_mpmd import cross_mpmd_all_reduce as cross_mpmd_all_reduce
+from jaxpp_mpi._src.array import MpmdSharding as MpmdSharding
+from jaxpp_mpi._src.mesh import MpmdMesh as MpmdMesh
+from jaxpp_mpi._src.reshard.reshard import mpmd_to_spmd_reshard as mpmd_to_spmd_reshard
+from jaxpp_mpi._src.reshard.reshard import spmd_to_mpmd_reshard as spmd_to_mpmd_reshard
+from jaxpp_mpi._src.schedules.library import BaseSchedule as BaseSchedule
+from jaxpp_mpi._src.schedules.library import DualPipeV as DualPipeV
+from jaxpp_mpi._src.schedules.library import Eager1F1B as Eager1F1B
+from jaxpp_mpi._src.schedules.library import Interleaved1F1B as Interleaved1F1B
+from jaxpp_mpi._src.schedules.library import KimiK2 as KimiK2
+from jaxpp_mpi._src.schedules.library import Std1F1B as Std1F1B
+from jaxpp_mpi._src.schedules.library import ZeroBubble as ZeroBubble
+from jaxpp_mpi._src.stage_marks import mark_stage_end as mark_stage_end
+from jaxpp_mpi._src.stage_marks import pipeline_enter_stage as pipeline_enter_stage
+from jaxpp_mpi._src.timeline.timing import collect_task_times_ms as collect_task_times_ms
+from jaxpp_mpi._src.treduce import Add as Add
+from jaxpp_mpi._src.treduce import Concat as Concat
+from jaxpp_mpi._src.treduce import Max as Max
+from jaxpp_mpi._src.treduce import treduce as treduce
+from jaxpp_mpi._src.treduce import treduce_i as treduce_i
+
+__all__ = [
+    "Add",
+    "BaseSchedule",
+    "Concat",
+    "DualPipeV",
+    "Eager1F1B",
+    "Interleaved1F1B",
+    "KimiK2",
+    "Max",
+    "MpmdArray",
+    "MpmdMesh",
+    "MpmdSharding",
+    "Std1F1B",
+    "ZeroBubble",
+    "collect_task_times_ms",
+    "cross_mpmd_all_reduce",
+    "mark_stage_end",
+    "mpmd_jit_by_yield",
+    "mpmd_jit_with_loop",
+    "mpmd_to_spmd_reshard",
+    "pipeline_enter_stage",
+    "spmd_to_mpmd_reshard",
+    "treduce",
+    "treduce_i",
+]
