@@ -39,7 +39,8 @@ def _timed(step) -> float:
     return time.perf_counter() - start
 
 
-def bench_size(comm, nbytes: int, reps: int) -> dict:
+def bench_size(comm, nbytes: int, reps: int, paths: tuple[str, ...] | None = None) -> dict:
+    """Ping-pong `nbytes` between ranks 0 and 1 on each path (all three if None)."""
     rank, peer = comm.rank, 1 - comm.rank
     n = nbytes // 4
     x = jnp.arange(n, dtype=jnp.float32)
@@ -82,6 +83,7 @@ def bench_size(comm, nbytes: int, reps: int) -> dict:
             comm.Send(out, dest=peer, tag=2)
 
     steps = {"jaxpp_mpi": chain_step, "mpi4jax_effect": effect_step, "mpi4py": mpi4py_step}
+    steps = {k: v for k, v in steps.items() if paths is None or k in paths}
     times: dict[str, list[float]] = {k: [] for k in steps}
     for step in steps.values():  # warm-up (compiles the jitted sides)
         step()
@@ -94,7 +96,8 @@ def bench_size(comm, nbytes: int, reps: int) -> dict:
         t = float(np.median(ts)) / 2
         row[f"{name}_latency_us"] = t * 1e6
         row[f"{name}_GBps"] = nbytes / t / 1e9
-    row["bandwidth_ratio"] = row["jaxpp_mpi_GBps"] / row["mpi4py_GBps"]
+    if "jaxpp_mpi" in steps and "mpi4py" in steps:
+        row["bandwidth_ratio"] = row["jaxpp_mpi_GBps"] / row["mpi4py_GBps"]
     return row
 
 

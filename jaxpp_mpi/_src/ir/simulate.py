@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable
 
 from jaxpp_mpi._src.ir import rendezvous
@@ -24,8 +25,10 @@ from jaxpp_mpi._src.schedules.tasks import label_latency
 
 __all__ = [
     "Event",
+    "MessageCost",
     "ProgramError",
     "SimResult",
+    "aval_nbytes",
     "default_latency",
     "format_grid",
     "simulate",
@@ -58,6 +61,65 @@ def default_latency(instr: Run) -> float:
 
 def _no_transfer(aval: Aval) -> float:
     return 0.0
+
+
+def aval_nbytes(aval: Aval) -> float:
+    """Returns the size in bytes of a value of `aval` (the whole value, all shards).
+
+    The width comes from the dtype's name ('float32': 4, 'bfloat16': 2, 'float8_e4m3fn':
+    1, 'int4': 0.5, 'complex64': 8); 'bool' is one byte.
+
+    Raises:
+      ValueError: for a dtype name without a bit width.
+    """
+    if aval.dtype == "bool":
+        bits = 8
+    else:
+        width = re.search(r"\d+", aval.dtype)
+        if width is None:
+            raise ValueError(f"cannot tell the width of dtype {aval.dtype!r} of {aval}")
+        bits = int(width.group())
+    count = 1
+    for d in aval.shape:
+        count *= d
+    return count * bits / 8
+
+
+@dataclasses.dataclass(frozen=True)
+class MessageCost:
+    """A message's time as `latency + bytes / bandwidth`: a `transfer` for `simulate`.
+
+    Note: message model.
+      `simulate` plays messages with rendezvous semantics: a message starts when both
+      its sender and its receiver have reached it and ends `transfer(aval)` later;
+      both ends wait until then. `MessageCost` is that transfer for a point-to-point
+      link measured by ping-pong (`bench/p2p.py`: latency is half the round trip of a
+      small message, bandwidth the slope over large ones), in the unit the task
+      latencies use (the benchmarks use milliseconds, so `bandwidth` is bytes per ms).
+      A SendRecv's two halves are two messages, each charged on its own. Without a
+      transfer, messages are free, which isolates the schedule's own bubbles;
+      with a measured one, measured / predicted isolates the runtime's overhead.
+
+    Attributes:
+      latency: time of an empty message.
+      bandwidth: bytes per time unit; `inf` for latency only.
+    """
+
+    latency: float
+    bandwidth: float
+
+    def __post_init__(self) -> None:
+        if not self.latency >= 0:
+            raise ValueError(f"MessageCost latency must be >= 0, got {self.latency!r}")
+        if not self.bandwidth > 0:
+            raise ValueError(
+                f"MessageCost bandwidth must be > 0 bytes per time unit, got "
+                f"{self.bandwidth!r} (use float('inf') for latency-only messages)"
+            )
+
+    def __call__(self, aval: Aval) -> float:
+        """The time of one message carrying a value of `aval`."""
+        return self.latency + aval_nbytes(aval) / self.bandwidth
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -299,7 +361,9 @@ def simulate(
     Args:
       program: the program.
       latency: time of a Run; `default_latency` if None.
-      transfer: time of a message given the received aval; 0 if None.
+      transfer: time of a message given the received aval; 0 if None (free
+        messages). `MessageCost(latency, bandwidth)` is the measured link's model
+        (see `Note: message model`).
       check_leaks: as in `verify`.
 
     Returns:

@@ -1,0 +1,60 @@
+"""What the benchmarks share: run metadata, JSON output, the measured message model."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from jaxpp_mpi._src.ir.simulate import MessageCost  # no JAX import
+
+
+def metadata() -> dict[str, Any]:
+    """Machine, core count and versions, for the top of a result file."""
+    import jax
+
+    return {"machine": platform.node(), "cpus": os.cpu_count(), "jax": jax.__version__}
+
+
+def write_json(path: str, result: Mapping[str, Any]) -> None:
+    """Writes `result` to `path` (creating its folder), indented."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2)
+
+
+def fit_message_cost(rows: Sequence[Mapping[str, Any]], path: str = "jaxpp_mpi") -> MessageCost:
+    """The least-squares line `latency + bytes / bandwidth` through ping-pong rows.
+
+    Args:
+      rows: `bench/p2p.py` rows: `bytes` and `{path}_latency_us` (half a round trip).
+      path: which transfer path's times to fit.
+
+    Returns:
+      The model in milliseconds (`bandwidth` in bytes per ms), as the task times are.
+
+    Raises:
+      ValueError: with fewer than two distinct sizes, or a fit without a positive slope.
+    """
+    xs = [float(r["bytes"]) for r in rows]
+    ys = [float(r[f"{path}_latency_us"]) * 1e-3 for r in rows]
+    if len(set(xs)) < 2:
+        raise ValueError(f"fitting a message model needs two or more sizes, got {sorted(set(xs))}")
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    if slope <= 0:
+        raise ValueError(f"ping-pong times do not grow with size ({list(zip(xs, ys))}): rerun")
+    return MessageCost(latency=max(0.0, my - slope * mx), bandwidth=1.0 / slope)
+
+
+def load_message_cost(path: str) -> MessageCost:
+    """The message model fitted to the rows of a `bench/p2p.py` JSON file."""
+    with open(path) as f:
+        data = json.load(f)
+    rows = data.get("rows") if isinstance(data, dict) else None
+    if not rows:
+        raise ValueError(f"{path} is not a bench/p2p.py result (no 'rows')")
+    return fit_message_cost(rows)

@@ -1,0 +1,514 @@
+"""Every schedule on one fixed workload, against single-process jax.jit and an honest prediction.
+
+Run with 2 ranks:  launch/jpprun -n 2 python bench/schedules.py --out bench/results/schedules.json
+
+The workload (issue 16): 8 residual blocks `x + W2 gelu(W1 layernorm(x))`, d=1024,
+ffn=4096, float32, no biases, exact GELU, LayerNorm eps 1e-5 without scale or offset;
+8 microbatches of 16 rows; loss per microbatch MSE / 8; one step = forward, backward and
+gradient accumulation over the microbatches, no optimizer; weights made by numpy with a
+fixed seed. 2 stages of 4 blocks (one per rank) or 4 stages of 2 blocks (two per rank).
+
+In one run, taking turns round by round (each round: every schedule once plain and once
+traced, in rotated order, and the reference once, on rank 0 while rank 1 waits):
+- `step_ms`: median pipelined step, barrier to barrier;
+- `jit_ms`: the same step as one `jax.jit` (`lax.scan` over microbatches) in one process
+  with one compute thread (rank 0 of this job);
+- `ideal_ms` = jit_ms x makespan / (sum of busy time) of the schedule's own simulation
+  (`analyze_schedule`, default task times F=1, B=2, I=W=1): the single-process work
+  spread over the ranks, plus the schedule's bubble; `fraction` = ideal_ms / step_ms;
+- `predicted_ms`: the simulator's makespan of the lowered program, every Run at the
+  median time measured for its task (traced steps, one per round) and every message at the measured
+  `latency + bytes / bandwidth` (`MessageCost`, fitted to a ping-pong of the runtime's
+  message chains in this run); `overhead` = step_ms / predicted_ms;
+- `breakdown`: per rank, where a traced step's time goes (see `breakdown`).
+Rank 0 writes the JSON (`--out`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from functools import partial
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/_common.py, p2p.py
+
+from _common import fit_message_cost, load_message_cost, metadata, write_json  # noqa: E402
+
+from jaxpp_mpi.schedules import (  # noqa: E402 - no JAX import
+    SCHEDULE_NAMES,
+    analyze_schedule,
+    schedule_by_name,
+)
+
+DEFAULT_SCHEDULES = (
+    "gpipe",
+    "1f1b",
+    "eager1f1b",
+    "interleaved",
+    "kimik2",
+    "zerobubble",
+    "dualpipev",
+)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--schedules",
+        default=",".join(DEFAULT_SCHEDULES),
+        help=f"comma-separated, from {', '.join(SCHEDULE_NAMES)}",
+    )
+    p.add_argument("--width", type=int, default=1024)
+    p.add_argument("--ffn", type=int, default=4096)
+    p.add_argument("--blocks", type=int, default=8)
+    p.add_argument("--rows", type=int, default=16)
+    p.add_argument("--microbatches", dest="num_microbatches", type=int, default=8)
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=15,
+        help="rounds (each: every schedule plain and traced, and jax.jit)",
+    )
+    p.add_argument(
+        "--p2p",
+        default=None,
+        help="read the message model from this bench/p2p.py JSON instead of "
+        "measuring it in this run",
+    )
+    p.add_argument(
+        "--traces",
+        default=None,
+        help="folder for a Chrome trace and the program text of each schedule",
+    )
+    p.add_argument("--quick", action="store_true", help="d=256, ffn=1024, 3 rounds (a smoke run)")
+    p.add_argument("--out", default="bench/results/schedules.json")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.width, args.ffn, args.repeats = 256, 1024, 3
+    args.schedules = [s for s in args.schedules.split(",") if s]
+    unknown = [s for s in args.schedules if s not in SCHEDULE_NAMES]
+    if unknown:
+        p.error(f"unknown schedule(s) {unknown}; the names are {', '.join(SCHEDULE_NAMES)}")
+    return args
+
+
+# ----------------------------------------------------------------------------- the workload
+
+
+def make_data(args) -> tuple[list[dict[str, Any]], tuple[Any, Any]]:
+    """Weights and the batch as numpy arrays (seed 0)."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    d, f = args.width, args.ffn
+    params = [
+        {
+            "w1": (rng.standard_normal((d, f)) / np.sqrt(d)).astype(np.float32),
+            "w2": (rng.standard_normal((f, d)) / np.sqrt(f)).astype(np.float32),
+        }
+        for _ in range(args.blocks)
+    ]
+    shape = (args.num_microbatches, args.rows, d)
+    batch = (
+        rng.standard_normal(shape).astype(np.float32),
+        rng.standard_normal(shape).astype(np.float32),
+    )
+    return params, batch
+
+
+def block(p, x):
+    """`x + W2 gelu(W1 layernorm(x))`: exact GELU, LayerNorm eps 1e-5, no biases."""
+    import jax
+
+    mean = x.mean(-1, keepdims=True)
+    var = ((x - mean) ** 2).mean(-1, keepdims=True)
+    h = (x - mean) * jax.lax.rsqrt(var + 1e-5)
+    return x + jax.nn.gelu(h @ p["w1"], approximate=False) @ p["w2"]
+
+
+def loss_fn(params, mb, num_stages: int = 1, num_microbatches: int = 8):
+    """MSE / num_microbatches of one microbatch, a stage mark after every stage's blocks."""
+    import jax.numpy as jnp
+
+    import jaxpp_mpi
+
+    x, y = mb
+    per_stage = len(params) // num_stages
+    for i, p in enumerate(params):
+        x = block(p, x)
+        if num_stages > 1 and (i + 1) % per_stage == 0:
+            x = jaxpp_mpi.mark_stage_end(x)
+    return jnp.mean((x - y) ** 2) / num_microbatches
+
+
+def pipelined_step(sched, num_microbatches: int):
+    import jax
+
+    import jaxpp_mpi
+
+    loss = partial(loss_fn, num_stages=sched.num_stages, num_microbatches=num_microbatches)
+
+    def step(params, batch):
+        return jaxpp_mpi.treduce(partial(jax.value_and_grad(loss), params), batch, schedule=sched)
+
+    return step
+
+
+def reference_step(num_microbatches: int):
+    """The same step for one process: `lax.scan` over the microbatches."""
+    import jax
+    import jax.numpy as jnp
+
+    grad = jax.value_and_grad(partial(loss_fn, num_microbatches=num_microbatches))
+
+    def step(params, batch):
+        def body(acc, mb):
+            loss, g = grad(params, mb)
+            return jax.tree.map(lambda a, b: a + b, acc, (loss, g)), None
+
+        zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+        return jax.lax.scan(body, zero, batch)[0]
+
+    return step
+
+
+# ----------------------------------------------------------------------------- analysis
+
+
+def ideal_factor(sched, num_microbatches: int) -> float:
+    """makespan / total busy time of the schedule's own simulation (default task times).
+
+    Times the single-process step, this is the step of a runtime that adds nothing to the
+    schedule: the work split evenly over the ranks, plus the schedule's bubble.
+    """
+    a = analyze_schedule(sched, num_microbatches)
+    return a.makespan / sum(a.busy)
+
+
+def breakdown(events, wall_ms: float, cost) -> dict[str, float]:
+    """Where one rank's traced step goes, in ms (see `Note: trace events`).
+
+    A traced step runs one instruction at a time: every task blocks until its results
+    are ready, every message until its MPI calls are done. So:
+      `compute`: the tasks' executables (pipeline tasks: F, B, I, W and fused ones);
+      `message_transfer`: what the message model says the messages cost;
+      `message_wait`: the rest of the message calls, i.e. waiting for the peer;
+      `other`: the step's wall time minus all that: Python dispatch of every
+        instruction, executables outside the microbatch loop, placing inputs,
+        collecting outputs (copies included).
+    """
+    compute = sum(e.end_ns - e.start_ns for e in events if e.cat == "task") * 1e-6
+    message = sum(e.end_ns - e.start_ns for e in events if e.cat == "message") * 1e-6
+    nbytes = [
+        b
+        for e in events
+        if e.cat == "message"
+        for b in (e.args.get("bytes"), e.args.get("send_bytes"), e.args.get("recv_bytes"))
+        if b is not None
+    ]
+    transfer = sum(cost.latency + b / cost.bandwidth for b in nbytes)
+    return {
+        "wall": wall_ms,
+        "compute": compute,
+        "message_transfer": min(transfer, message),
+        "message_wait": max(0.0, message - transfer),
+        "other": wall_ms - compute - message,
+        "tasks": sum(1 for e in events if e.cat == "task"),
+        "messages": sum(1 for e in events if e.cat == "message"),
+    }
+
+
+def schedule_makespan(sched, n: int, task_ms: dict[str, float], message_ms: float) -> float:
+    """The schedule's own dataflow timeline with the measured task times (ms).
+
+    Each group runs its schedule entries in order (a fused entry's parts one after the
+    other); a task starts when its group is free and its inputs exist (FWD(s, m) needs
+    FWD(s-1, m); BWD / BWD_I (s, m) need FWD(s, m) and BWD / BWD_I (s+1, m); BWD_W needs
+    BWD_I), an input from another group `message_ms` after it was made. A task the
+    compiler emits no Run for (BWD_I of the first stage) takes 0. This is what the
+    schedule promises with these task times; the lowered program's prediction
+    (`simulate`) can only be later where the program waits where the schedule does not.
+    """
+    from jaxpp_mpi.schedules import TaskType
+
+    tasks = sched.tasks(n)
+    parts = [[t for e in row for t in (e if isinstance(e, tuple) else (e,))] for row in tasks]
+    group = {t: g for g, row in enumerate(parts) for t in row}
+    last = sched.num_stages - 1
+    bwd = TaskType.BWD_I if sched.is_partial_bwd else TaskType.BWD
+
+    def deps(t):
+        s, m = t.stage_id, t.microbatch
+        if t.type is TaskType.FWD:
+            return [type(t)(s - 1, m, TaskType.FWD)] if s > 0 else []
+        if t.type is TaskType.BWD_W:
+            return [type(t)(s, m, TaskType.BWD_I)]
+        out = [type(t)(s, m, TaskType.FWD)]
+        return out + ([type(t)(s + 1, m, bwd)] if s < last else [])
+
+    done: dict = {}
+    pos, free = [0] * len(parts), [0.0] * len(parts)
+    while any(p < len(row) for p, row in zip(pos, parts)):
+        moved = False
+        for g, row in enumerate(parts):
+            while pos[g] < len(row):
+                t = row[pos[g]]
+                ready = [done.get(d) for d in deps(t)]
+                if any(r is None for r in ready):
+                    break
+                start = max(
+                    [free[g]]
+                    + [r + (message_ms if group[d] != g else 0.0) for r, d in zip(ready, deps(t))]
+                )
+                label = f"{t.type.value}{t.microbatch}s{t.stage_id}"
+                done[t] = free[g] = start + task_ms.get(label, 0.0)
+                pos[g] += 1
+                moved = True
+        if not moved:
+            raise RuntimeError(f"{sched!r}: the schedule's dataflow play is stuck")
+    return max(free)
+
+
+def task_sums(medians: dict[str, float]) -> dict[str, float]:
+    """Per task kind ('F', 'B', 'I', 'W', fused 'F+B'...), the sum of median task times."""
+    from jaxpp_mpi.trace import parse_label
+
+    sums: dict[str, float] = {}
+    for label, t in medians.items():
+        kind = "+".join(p.kind for p in parse_label(label))
+        sums[kind] = sums.get(kind, 0.0) + t
+    return sums
+
+
+# ----------------------------------------------------------------------------- the run
+
+
+def measure_message_cost(comm, act_bytes: int, reps: int):
+    """Ping-pong of the runtime's message chains around the activation size, fitted."""
+    from p2p import bench_size
+
+    sizes = sorted({4096, act_bytes, 4 * act_bytes, 16 * act_bytes})
+    rows = [bench_size(comm, s, reps, paths=("jaxpp_mpi",)) for s in sizes]
+    return fit_message_cost(rows), rows
+
+
+def main() -> None:
+    args = parse_args()
+    import jax
+    import numpy as np
+    from mpi4py import MPI
+
+    import jaxpp_mpi
+    from jaxpp_mpi._src.ir.program import Aval
+    from jaxpp_mpi._src.ir.simulate import simulate
+
+    world = MPI.COMM_WORLD
+    if world.size != 2:
+        raise SystemExit(f"bench/schedules.py runs on exactly 2 ranks, got {world.size}")
+    mesh = jaxpp_mpi.make_mpmd_mesh((2, 1), ("stage", "data"), "stage")
+    comm = mesh.comm
+    rank = comm.rank
+    np_params, np_batch = make_data(args)
+    params = jax.tree.map(jax.numpy.asarray, np_params)
+    batch = jax.tree.map(jax.numpy.asarray, np_batch)
+    n = args.num_microbatches
+    act_bytes = args.rows * args.width * 4
+    act_aval = Aval((args.rows, args.width), "float32")
+
+    if args.p2p:
+        cost, p2p_rows = load_message_cost(args.p2p), None
+    else:
+        cost, p2p_rows = measure_message_cost(comm, act_bytes, max(10, 2 * args.repeats))
+
+    # Compile everything first: the reference on rank 0, every schedule on both.
+    ref = None
+    if rank == 0:
+        ref = jax.jit(reference_step(n)).lower(params, batch).compile()
+        ref_loss, _ = jax.block_until_ready(ref(params, batch))
+    scheds, compiled = {}, {}
+    for name in args.schedules:
+        sched = schedule_by_name(name, 2)
+        blocks_ok = args.blocks % sched.num_stages == 0
+        if not blocks_ok:
+            raise SystemExit(f"{args.blocks} blocks do not split into {sched.num_stages} stages")
+        scheds[name] = sched
+        start = time.perf_counter()
+        compiled[name] = jaxpp_mpi.mpmd_jit_with_loop(
+            pipelined_step(sched, n), mpmd_mesh=mesh
+        ).compile(params, batch)
+        if rank == 0:
+            print(f"compiled {sched!r} in {time.perf_counter() - start:.1f} s", flush=True)
+
+    def run_pipelined(name):
+        losses, grads = compiled[name](params, batch)
+        held = [
+            x.first_mpmd_replica
+            for x in jax.tree.leaves((losses, grads))
+            if x.is_partially_addressable
+        ]
+        jax.block_until_ready(held)
+        return losses
+
+    def timed(fn) -> float:
+        comm.Barrier()
+        start = time.perf_counter()
+        fn()
+        comm.Barrier()
+        return (time.perf_counter() - start) * 1e3
+
+    def run_reference():
+        if rank == 0:
+            jax.block_until_ready(ref(params, batch))
+
+    # Warm-up, and a check that every schedule computes the reference's loss.
+    losses = {}
+    for name in args.schedules:
+        run_pipelined(name)
+        out = run_pipelined(name)
+        value = (
+            float(np.asarray(out.first_mpmd_replica).sum())
+            if out.is_partially_addressable
+            else None
+        )
+        losses[name] = comm.bcast(value, root=min(out.mpmd_idxs))
+    ref_value = comm.bcast(float(ref_loss) if rank == 0 else None, root=0)
+    for name, value in losses.items():
+        if not np.isclose(value, ref_value, rtol=1e-4):
+            raise SystemExit(f"{name}: loss {value} differs from jax.jit's {ref_value}")
+    run_reference()
+
+    # Rounds: per schedule (rotated order) one plain step and one traced step (task by
+    # task: its task times feed the prediction, its events the breakdown), then the
+    # reference; so a noisy neighbour hurts every contender alike.
+    steps: dict[str, list[float]] = {name: [] for name in args.schedules}
+    dispatch: dict[str, list[float]] = {name: [] for name in args.schedules}
+    task_times: dict[str, dict[str, list[float]]] = {name: {} for name in args.schedules}
+    parts: dict[str, list[dict[str, float]]] = {name: [] for name in args.schedules}
+    last_events: dict[str, list] = {}
+    jit_times: list[float] = []
+    for r in range(args.repeats):
+        k = r % len(args.schedules)
+        for name in args.schedules[k:] + args.schedules[:k]:
+
+            def one(name=name):
+                start = time.perf_counter()
+                out = compiled[name](params, batch)
+                dispatch[name].append((time.perf_counter() - start) * 1e3)
+                jax.block_until_ready(
+                    [
+                        x.first_mpmd_replica
+                        for x in jax.tree.leaves(out)
+                        if x.is_partially_addressable
+                    ]
+                )
+
+            steps[name].append(timed(one))
+            with jaxpp_mpi.trace.record() as events:
+                traced_ms = timed(lambda name=name: run_pipelined(name))
+            for e in events:
+                if e.cat == "task":
+                    task_times[name].setdefault(e.name, []).append((e.end_ns - e.start_ns) * 1e-6)
+            parts[name].append(breakdown(events, traced_ms, cost))
+            last_events[name] = events
+        jit_times.append(timed(run_reference))
+    jit_ms = float(np.median(jit_times))
+
+    results = {}
+    for name in args.schedules:
+        sched, exe = scheds[name], compiled[name]
+        medians = {label: float(np.median(t)) for label, t in task_times[name].items()}
+        all_medians: dict[str, float] = {}
+        for part in comm.allgather(medians):
+            all_medians.update(part)
+        program = exe.program()
+        latency = lambda run, m=all_medians: m.get(run.task, 0.0)  # noqa: E731
+        predicted = simulate(program, latency=latency, transfer=cost, check_leaks=False)
+        predicted_free = simulate(program, latency=latency, check_leaks=False)
+        mine = {key: float(np.median([p[key] for p in parts[name]])) for key in parts[name][0]}
+        mine["dispatch_untimed"] = float(np.median(dispatch[name]))
+        per_rank = comm.gather(mine, root=0)
+        if args.traces:
+            os.makedirs(args.traces, exist_ok=True)
+            jaxpp_mpi.trace.export(
+                os.path.join(args.traces, f"{name}.trace.json"),
+                last_events[name],
+                mesh,
+                other_data={"schedule": repr(sched)},
+            )
+            if rank == 0:
+                with open(os.path.join(args.traces, f"{name}.program.txt"), "w") as f:
+                    f.write(str(program))
+        if rank != 0:
+            continue
+        step_ms = float(np.median(steps[name]))
+        factor = ideal_factor(sched, n)
+        ideal_ms = jit_ms * factor
+        sim_rank_busy = [
+            sum(e.end - e.start for e in g if hasattr(e.instr, "exe")) for g in predicted.events
+        ]
+        results[name] = {
+            "schedule": repr(sched),
+            "step_ms": step_ms,
+            "step_ms_min": float(np.min(steps[name])),
+            "step_ms_all": steps[name],
+            "ideal_factor": factor,
+            "ideal_ms": ideal_ms,
+            "fraction_of_ideal": ideal_ms / step_ms,
+            "predicted_ms": predicted.makespan,
+            "predicted_free_messages_ms": predicted_free.makespan,
+            "schedule_ms": schedule_makespan(sched, n, all_medians, cost(act_aval)),
+            "overhead": step_ms / predicted.makespan,
+            "predicted_busy_ms": sim_rank_busy,
+            "task_ms": all_medians,
+            "task_sum_ms": task_sums(all_medians),
+            "breakdown": per_rank,
+            "instructions": [len(g.instrs) for g in program.groups],
+        }
+
+    if rank == 0:
+        result = {
+            "benchmark": "schedules",
+            **metadata(),
+            "ranks": 2,
+            "quick": args.quick,
+            "width": args.width,
+            "ffn": args.ffn,
+            "blocks": args.blocks,
+            "rows": args.rows,
+            "num_microbatches": n,
+            "repeats": args.repeats,
+            "jit_ms": jit_ms,
+            "jit_ms_all": jit_times,
+            "message_cost": {"latency_ms": cost.latency, "bytes_per_ms": cost.bandwidth},
+            "p2p_rows": p2p_rows,
+            "schedules": results,
+        }
+        write_json(args.out, result)
+        print(
+            f"jax.jit (1 thread): {jit_ms:.1f} ms; message model {cost.latency * 1e3:.1f} us"
+            f" + bytes / {cost.bandwidth / 1e6:.2f} GB/s",
+            flush=True,
+        )
+        print(
+            f"{'schedule':<26} {'step':>8} {'ideal':>8} {'frac':>5} {'pred':>8} "
+            f"{'ovh':>5} {'sched':>8}  per rank: compute/wait/other ms (traced step)"
+        )
+        for name, r in results.items():
+            parts = "  ".join(
+                f"{b['compute']:.0f}/{b['message_wait']:.0f}/{b['other']:.0f}"
+                for b in r["breakdown"]
+            )
+            print(
+                f"{name:<26} {r['step_ms']:>8.1f} {r['ideal_ms']:>8.1f} "
+                f"{r['fraction_of_ideal']:>5.2f} {r['predicted_ms']:>8.1f} "
+                f"{r['overhead']:>5.2f} {r['schedule_ms']:>8.1f}  {parts}",
+                flush=True,
+            )
+        print(f"wrote {args.out}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
