@@ -51,7 +51,7 @@ __all__ = sorted(_EXPORTS)
 
 
 # public submodules, imported on first attribute access too (`jaxpp_mpi.checkpoint.save`)
-_SUBMODULES = frozenset({"api", "checkpoint", "launch", "schedules", "trace"})
+_SUBMODULES = frozenset({"api", "checkpoint", "launch", "mesh", "schedules", "trace"})
 
 
 def __getattr__(name: str):

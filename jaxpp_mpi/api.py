@@ -1,7 +1,8 @@
 """JaxPP's `jaxpp.api` names, where jaxpp_mpi has them (`jaxpp_mpi.api.X` is `jaxpp_mpi.X`).
 
 A script written for JaxPP imports `jaxpp.api` (or `from jaxpp.api import ...`); with
-`import jaxpp_mpi as jaxpp` it finds the same names here. README's "Porting from JaxPP"
+`import jaxpp_mpi.api as jaxpp` it finds the same names here, plus `make_mpmd_mesh` for
+the one line a port changes besides the import (the mesh line). README's "Porting from JaxPP"
 lists the names JaxPP's module has and this one does not, and why.
 """
 
@@ -10,6 +11,7 @@ from jaxpp_mpi._src.array import MpmdArray as MpmdArray
 from jaxpp_mpi._src.by_yield import mpmd_jit_by_yield as mpmd_jit_by_yield
 from jaxpp_mpi._src.cross_mpmd import cross_mpmd_all_reduce as cross_mpmd_all_reduce
 from jaxpp_mpi._src.array import MpmdSharding as MpmdSharding
+from jaxpp_mpi._src.make_mesh import make_mpmd_mesh as make_mpmd_mesh
 from jaxpp_mpi._src.mesh import MpmdMesh as MpmdMesh
 from jaxpp_mpi._src.reshard.reshard import mpmd_to_spmd_reshard as mpmd_to_spmd_reshard
 from jaxpp_mpi._src.reshard.reshard import spmd_to_mpmd_reshard as spmd_to_mpmd_reshard
@@ -45,6 +47,7 @@ __all__ = [
     "ZeroBubble",
     "collect_task_times_ms",
     "cross_mpmd_all_reduce",
+    "make_mpmd_mesh",
     "mark_stage_end",
     "mpmd_jit_by_yield",
     "mpmd_jit_with_loop",

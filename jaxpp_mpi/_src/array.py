@@ -232,20 +232,23 @@ class MpmdArray:
         self._mpmd_sharding = mpmd_sharding
         self._shape = want_shape
         self._dtype = want_dtype
+        self._weak_type = False
         self._deleted = False
 
     @classmethod
     def _trusted(cls, arrays: list[jax.Array], mpmd_sharding: MpmdSharding,
-                 shape: tuple[int, ...], dtype: np.dtype) -> MpmdArray:
+                 shape: tuple[int, ...], dtype: np.dtype, weak_type: bool = False
+                 ) -> MpmdArray:
         """An MpmdArray from replicas known to match (a compiled step's outputs, built
         with exactly these shardings, one per group of `local_mesh_ids`): skips the
-        per-replica checks of `__init__`."""
+        per-replica checks of `__init__`. `weak_type` as `jax.jit`'s result has it."""
         self = cls.__new__(cls)
         self._arrays = arrays
         self._ids = None
         self._mpmd_sharding = mpmd_sharding
         self._shape = shape
         self._dtype = dtype
+        self._weak_type = weak_type
         self._deleted = False
         return self
 
@@ -328,9 +331,14 @@ class MpmdArray:
         return self._dtype
 
     @property
+    def weak_type(self) -> bool:
+        """Whether the value is weakly typed (a step's result as `jax.jit` types it)."""
+        return self._weak_type
+
+    @property
     def aval(self) -> jax.core.ShapedArray:
-        """Shape and dtype as a `ShapedArray`."""
-        return jax.core.ShapedArray(self._shape, self._dtype)
+        """Shape, dtype and weak type as a `ShapedArray`."""
+        return jax.core.ShapedArray(self._shape, self._dtype, weak_type=self._weak_type)
 
     @property
     def ndim(self) -> int:

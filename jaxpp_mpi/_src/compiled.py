@@ -514,12 +514,16 @@ class MpmdCompiled:
         for k, (desc, aval) in enumerate(zip(plan.outputs, plan.output_avals)):
             sharding = self._out_sh[k]
             if desc[0] == "lit":
-                outs.append(mpmd_array_from_local(self.mesh, desc[1], sharding))
+                lit = mpmd_array_from_local(self.mesh, desc[1], sharding)
+                lit._weak_type = bool(plan.output_weak[k]) if plan.output_weak else False
+                outs.append(lit)
                 continue
             held = [replicas[k][g] for g in self._local_holders[k]]
             impl = plan.key_outputs[k]
             if impl is None:
-                outs.append(MpmdArray._trusted(held, sharding, aval.shape, np.dtype(aval.dtype)))
+                weak = bool(plan.output_weak[k]) if plan.output_weak else False
+                outs.append(MpmdArray._trusted(held, sharding, aval.shape,
+                                               np.dtype(aval.dtype), weak))
                 continue
             key = key_struct(aval.shape, impl)  # `Note: keys as key data`
             held = [jax.random.wrap_key_data(a, impl=impl) for a in held]

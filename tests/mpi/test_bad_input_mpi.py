@@ -130,6 +130,22 @@ def test_stage_marks_differ_on_rank_1_only(mesh):
 
 
 @pytest.mark.mpi(min_size=2)
+def test_different_arithmetic_on_rank_1_only(mesh):
+    """Rank 1's loss scales by another constant: same shapes, same program, different
+    computation. Every rank refuses it before any message, naming the first differing
+    executable (`Note: executable fingerprints`)."""
+    _, _, loss_fn = mlp(SIZE, N)
+
+    def loss(params, mb):
+        value, aux = loss_fn(params, mb)
+        return value * (1.0 if RANK != 1 else 1.5), aux
+
+    raises_everywhere(
+        lambda: compile_mlp(mesh, jaxpp_mpi.Std1F1B(SIZE), SIZE, loss=loss), ValueError,
+        r"traced different code", r"rank 1 differs from rank 0 first in group \d+ executable")
+
+
+@pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("name", ["zerobubble", "interleaved"])
 def test_microbatch_count_rejected(mesh, name):
     """ZeroBubble with fewer microbatches than stages; interleaved 1F1B with 2 * SIZE + 1,

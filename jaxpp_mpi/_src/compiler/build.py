@@ -69,6 +69,8 @@ class StepPlan:
       outputs: per flat step output, ("val", group) when the program produces it, or
         ("lit", value) for a constant result.
       output_avals: per flat step output, its Aval.
+      output_weak: per flat step output, whether it is weakly typed (as `jax.jit`'s
+        result would be: a result fed back must hit the compile cache and promote alike).
       output_fixed: per flat step output, whether its spec is the user's
         (`out_shardings`) rather than left to the producer (`Note: layouts`).
       donated: per flat argument, whether the user lets the step reuse its buffer.
@@ -95,6 +97,7 @@ class StepPlan:
     out_tree: Any
     key_args: tuple[bool, ...] = ()
     key_outputs: tuple[str | None, ...] = ()
+    output_weak: tuple[bool, ...] = ()
 
     @property
     def num_groups(self) -> int:
@@ -464,4 +467,5 @@ def build_step(
         out_tree=traced.out_tree,
         key_args=tuple(is_key(v.aval.dtype) for v in jaxpr.invars[num_consts:]),
         key_outputs=tuple(key_outputs),
+        output_weak=tuple(bool(getattr(v.aval, "weak_type", False)) for v in jaxpr.outvars),
     )

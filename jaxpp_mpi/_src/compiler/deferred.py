@@ -24,10 +24,12 @@ Note: deferred reduction.
 
   Which states to defer is decided per state by tracing its `_first` variant (no XLA
   compile): a state whose value comes out unreduced over axes its layout does not shard
-  is deferred over those axes; a state whose value is already reduced (nothing to
-  defer), and every state of a step whose replay fails (an operation Explicit mode
-  refuses), keeps today's per-microbatch reduction: deferral is an optimisation, never a
-  new failure. The result differs from per-microbatch reduction only in the order of
+  is deferred over those axes; then every variant of the family is lowered with those
+  layouts (lowering checks more than tracing). A state whose value is already reduced
+  (nothing to defer), and every state of a family whose replay or lowering fails (an
+  operation Explicit mode refuses, e.g. a scatter-add with batch-sharded updates),
+  keeps today's per-microbatch reduction: deferral is an optimisation, never a new
+  failure. The result differs from per-microbatch reduction only in the order of
   floating-point additions.
 """
 
@@ -380,8 +382,8 @@ def plan_group(exes: dict[str, Any], exe_avals: dict[str, tuple], mesh: Mesh
         ins, outs = exe_avals[name]
         try:
             jitted, in_s = _jitted(exes[name], ins, outs, u, em)
-            with jax.set_mesh(em):
-                jitted.trace(*in_s)
+            with jax.set_mesh(em):  # lowered, not only traced: lowering checks more
+                jitted.lower(*in_s)
         except Exception:  # noqa: BLE001 -- as above
             refused.add(exes[name].family)
     return {name: u for name, u in plans.items() if exes[name].family not in refused}
