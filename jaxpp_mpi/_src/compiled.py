@@ -43,7 +43,7 @@ from jaxpp_mpi._src.arguments import paths
 from jaxpp_mpi._src.array import MpmdArray, MpmdSharding, mpmd_array_from_local
 from jaxpp_mpi._src.compiler import deferred
 from jaxpp_mpi._src.compiler.build import StepPlan
-from jaxpp_mpi._src.compiler.loop_tasks import key_struct
+from jaxpp_mpi._src.compiler.loop_tasks import Exe, first_from_plain, key_struct
 from jaxpp_mpi._src.errors import CompileError
 from jaxpp_mpi._src.ir.layouts import LayoutError, donation_pairs, infer_layouts
 from jaxpp_mpi._src.ir.program import Aval, GroupProgram, Program, Run
@@ -52,7 +52,6 @@ from jaxpp_mpi._src.runtime import failure
 from jaxpp_mpi._src.types import PyTree, Spec
 
 if TYPE_CHECKING:
-    from jaxpp_mpi._src.compiler.loop_tasks import Exe
     from jaxpp_mpi._src.runtime.local import LocalExecutor
     from jaxpp_mpi._src.runtime.mpi import MpiExecutor  # imports mpi4py: only when used
 
@@ -132,6 +131,31 @@ def _flops(exe: jax.stages.Compiled) -> float:
     if isinstance(cost, (list, tuple)):  # older JAX: one dict per program
         cost = cost[0] if cost else {}
     return float((cost or {}).get("flops", 0.0))
+
+
+class _FromPlain:
+    """A `_first` variant run as its family's plain variant on states that hold each
+    reduction's identity (`Note: first variants` in compiler/loop_tasks.py).
+
+    Args:
+      plain: the plain variant, compiled; its last inputs are the states (donated).
+      fill: compiled, of no inputs: returns fresh identity states.
+    """
+
+    def __init__(self, plain: jax.stages.Compiled, fill: jax.stages.Compiled):
+        self.plain = plain
+        self.fill = fill
+
+    def __call__(self, *args: Any) -> Sequence[jax.Array]:
+        return self.plain(*args, *self.fill())
+
+    def cost_analysis(self) -> Any:
+        """The plain variant's (what runs)."""
+        return self.plain.cost_analysis()
+
+    def as_text(self) -> str:
+        """The plain variant's optimized HLO (what runs)."""
+        return self.plain.as_text()
 
 
 class MpmdCompiled:
@@ -256,17 +280,34 @@ class MpmdCompiled:
             self._auto_meshes[group] = mesh
         return mesh
 
-    def _compile_group(self, g: int, report: bool) -> dict[str, jax.stages.Compiled]:
-        """Compiles group `g`'s executables; logs progress when `report`."""
+    def _shared_variants(self, g: int) -> dict[str, tuple[str, Exe]]:
+        """Group `g`'s `_first` variants to build from their plain variants (`Note: first
+        variants` in compiler/loop_tasks.py): name -> (plain variant, identity fill).
+        Only executables the layout pass has not compiled, and none whose reduction is
+        deferred."""
+        plan, done = self.plan, self._executables[g]
+        fresh = lambda name: name not in done and (g, name) not in self._unreduced
+        shared = {}
+        for name in plan.exes[g]:
+            via = first_from_plain(plan.exes[g], plan.exe_avals[g], name) if fresh(name) else None
+            if via is not None and fresh(via[0]):
+                shared[name] = via
+        return shared
+
+    def _compile_group(self, g: int, report: bool) -> dict[str, Any]:
+        """Compiles group `g`'s executables, each distinct one once; logs progress when
+        `report`."""
         plan = self.plan
         exes = plan.exes[g]
+        shared = self._shared_variants(g)
         total = sum(len(e) for e in plan.exes)
         if report:
             logger.info("compiling %d executables for group %d (%d across %d groups)",
                         len(exes), g, total, plan.num_groups)
         start = last = time.perf_counter()
-        mine = {}
-        for k, (name, exe) in enumerate(exes.items(), 1):
+        mine: dict[str, Any] = {}
+        own = [(name, exe) for name, exe in exes.items() if name not in shared]
+        for k, (name, exe) in enumerate(own, 1):
             ins, outs = plan.exe_avals[g][name]
             unreduced = self._unreduced.get((g, name))
             if unreduced is not None:
@@ -278,13 +319,19 @@ class MpmdCompiled:
                     exe, ins, outs, functools.partial(self.sharding, g),
                     compiler_options=self._compiler_options)
             now = time.perf_counter()
-            if report and k < len(exes) and now - last >= _REPORT_EVERY_S:
-                logger.info("group %d: %d/%d compiled, %.1f s", g, k, len(exes), now - start)
+            if report and k < len(own) and now - last >= _REPORT_EVERY_S:
+                logger.info("group %d: %d/%d compiled, %.1f s", g, k, len(own), now - start)
                 last = now
+        for name, (plain, fill) in shared.items():
+            states = plan.exe_avals[g][plain][0][len(plan.exe_avals[g][name][0]):]
+            mine[name] = _FromPlain(mine[plain], compile_exe(
+                fill, (), states, functools.partial(self.sharding, g),
+                compiler_options=self._compiler_options))
         if report:
-            logger.info("group %d: %d/%d executables compiled in %.1f s", g, len(exes),
-                        len(exes), time.perf_counter() - start)
-        return mine
+            logger.info("group %d: %d/%d executables compiled in %.1f s (%d of them run "
+                        "as their plain variant)", g, len(exes), len(exes),
+                        time.perf_counter() - start, len(shared))
+        return {name: mine[name] for name in exes}
 
     def _infer_layouts(self, plan: StepPlan) -> StepPlan:
         """Runs the layout pass (`Note: layouts`), compiling this process's executables

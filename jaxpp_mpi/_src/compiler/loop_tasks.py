@@ -19,6 +19,17 @@ Note: loop tasks.
   its last microbatch: the one that reduces a data-parallel gradient sum carried
   unreduced until then (`Note: deferred reduction` in compiler/deferred.py).
 
+Note: first variants.
+  A task's `_first` variant computes what its plain variant computes from states that
+  hold the identity of each reduction: `Add` -0.0 (IEEE's additive identity: -0.0 + x is
+  x for every x, -0.0 and NaN included; 0 for integers), `Max` -inf (the type's minimum
+  for integers), `Concat` zeros (every write replaces). So where both variants run on a
+  group, the compiler may build the `_first` executable from the plain one and a small
+  fill of those identities (`Exe.first_fills`; `compiled.py` does it where the layout
+  pass has not already compiled both): one fewer task compile per family, the same
+  results bit for bit, the program unchanged. An op without a known identity (a user's
+  `Op` subclass, `Max` of a type without -inf) keeps its own `_first` executable.
+
 Note: keys as key data.
   The program holds plain arrays only: a value of a typed PRNG key dtype (`key<fry>[4]`)
   is, everywhere outside an executable, its key data (`jax.random.key_data`: for
@@ -42,7 +53,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -60,8 +72,8 @@ from jaxpp_mpi._src.schedules.tasks import Task, TaskType, task_label
 from jaxpp_mpi._src.treduce import Add, Concat, Max, Op
 from jaxpp_mpi._src.types import Spec
 
-__all__ = ["Exe", "LoopTasks", "aval_of", "build_loop_tasks", "is_key", "key_boundary",
-           "key_impl", "key_struct", "replayable"]
+__all__ = ["Exe", "LoopTasks", "aval_of", "build_loop_tasks", "first_from_plain", "identity",
+           "is_key", "key_boundary", "key_impl", "key_struct", "replayable"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +90,10 @@ class Exe:
         in every variant of the family: its input / output position, None where this
         variant has none (the first microbatch's takes no state in, the last one's
         returns the loop output).
+      first_fills: for a `_first` variant, per state it makes (in output order), the
+        identity of its reduction (`Note: first variants`): the family's plain variant
+        given states full of these values computes the same. None elsewhere, and where
+        some state's op has no known identity.
     """
 
     fn: Callable[..., tuple]
@@ -85,6 +101,7 @@ class Exe:
     family: str = ""
     state_ins: tuple[int | None, ...] = ()
     state_outs: tuple[int | None, ...] = ()
+    first_fills: tuple[Any, ...] | None = None
 
 
 def is_key(dtype) -> bool:
@@ -285,6 +302,68 @@ def _first_state(op: Op, n: int, v, i):
     return op.state(n, v)
 
 
+def identity(op: Op, dtype: Any) -> Any | None:
+    """The identity of `op`'s reduction for values of `dtype`, as a numpy scalar of
+    that dtype (`Note: first variants`), or None where it has none known."""
+    dtype = np.dtype(dtype)
+    if isinstance(op, Concat):
+        return np.zeros((), dtype)[()]
+    if isinstance(op, Add):
+        if dtype == np.bool_:
+            return np.bool_(False)
+        if jnp.issubdtype(dtype, jnp.complexfloating):
+            return np.array(complex(-0.0, -0.0), dtype)[()]
+        return np.array(-0.0 if jnp.issubdtype(dtype, jnp.floating) else 0).astype(dtype)[()]
+    if isinstance(op, Max):
+        if dtype == np.bool_:
+            return np.bool_(False)
+        if jnp.issubdtype(dtype, jnp.integer):
+            return np.array(jnp.iinfo(dtype).min, dtype)[()]
+        if jnp.issubdtype(dtype, jnp.floating):
+            low = np.array(-np.inf).astype(dtype)[()]
+            return low if np.isneginf(np.float64(low)) else None  # float8_e4m3fn: no inf
+    return None
+
+
+def _first_fills(ops: Sequence[Op], avals: Sequence[Aval]) -> tuple[Any, ...] | None:
+    """Per state, its op's identity (`identity`); None if some op has none."""
+    fills = tuple(identity(op, a.dtype) for op, a in zip(ops, avals))
+    return None if any(f is None for f in fills) else fills
+
+
+def first_from_plain(exes: Mapping[str, Exe],
+                     exe_avals: Mapping[str, tuple[tuple[Aval, ...], tuple[Aval, ...]]],
+                     name: str) -> tuple[str, Exe] | None:
+    """How a group may build executable `name` from another (`Note: first variants`).
+
+    Args:
+      exes: the group's executables by name.
+      exe_avals: per executable, its (input avals, output avals).
+      name: one of them.
+
+    Returns:
+      For a `_first` variant whose family's plain variant takes the same inputs plus
+      one state per state it makes (donated, of the avals it returns them with) and
+      returns the same outputs: the plain variant's name and an `Exe` of no inputs
+      returning those states, each full of its reduction's identity. None otherwise.
+    """
+    exe = exes[name]
+    plain = exes.get(exe.family)
+    if exe.first_fills is None or plain is None or exe.family == name:
+        return None
+    (ins, outs), (plain_ins, plain_outs) = exe_avals[name], exe_avals[exe.family]
+    fills = exe.first_fills
+    states = outs[len(outs) - len(fills):]
+    if (plain_outs != outs or plain_ins != (*ins, *states)
+            or plain.donate_argnums != tuple(range(len(ins), len(plain_ins)))):
+        return None
+
+    def fill() -> tuple:
+        return tuple(jnp.full(a.shape, f, np.dtype(a.dtype)) for f, a in zip(fills, states))
+
+    return exe.family, Exe(fill)
+
+
 def _task_fn(task: TaskJaxpr, export: Sequence[int], sources: Sequence[tuple],
              ops: Sequence[Op], n: int, first: bool, with_index: bool) -> Callable:
     """The executable of one task variant: see `Note: loop tasks` for the arguments."""
@@ -422,7 +501,9 @@ def build_loop_tasks(
                 donate = tuple(range(len(ins), len(ins) + len(states_in)))
                 state_ins = tuple(None if first else len(ins) + j for j in adds)
                 state_outs = tuple(None if last else len(export) + j for j in adds)
-                result.exes[g][exe] = Exe(fn, donate, family, state_ins, state_outs)
+                fills = (_first_fills(k_ops, [acc_avals[k] for k in ks])
+                         if first and ks else None)
+                result.exes[g][exe] = Exe(fn, donate, family, state_ins, state_outs, fills)
     for v in result.mb_values.values():
         result.avals[v] = Aval((), "int32")
     return result
