@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import itertools
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
+from jaxpp_mpi._src.compiler import lower
 from jaxpp_mpi._src.compiler.lower import (
     build_program,
     build_program_with_names,
@@ -25,6 +28,23 @@ from jaxpp_mpi._src.ir.program import (
     SendRecv,
 )
 from jaxpp_mpi._src.ir.simulate import simulate, verify
+from jaxpp_mpi._src.schedules.tasks import (
+    DEFAULT_LATENCIES,
+    TaskType,
+    entry_tasks,
+    parse_label,
+    task_label,
+)
+from jaxpp_mpi.schedules import (
+    DualPipeV,
+    Eager1F1B,
+    GPipe,
+    Interleaved1F1B,
+    KimiK2,
+    Std1F1B,
+    ZeroBubble,
+    analyze_schedule,
+)
 
 ACT = Aval((4, 16), "float32", ("data",))
 W = Aval((16, 16), "float32")
@@ -331,3 +351,168 @@ def test_missing_aval():
     graph = TaskGraph(1, ((T("A", 0, [], ["a"]),),), (), (), {})
     with pytest.raises(ValueError, match="'a' has no aval"):
         graph.validate()
+
+
+# ----------------------------------------------------------------------------- timed order
+
+
+def schedule_graph(schedule, num_microbatches: int) -> TaskGraph:
+    """A training step laid out by a library schedule, as the compiler lays it out.
+
+    FWD(s, m) -> act, residual; BWD (or BWD_I) (s, m) takes the residual and the next
+    stage's gradient and gives this stage's gradient (none on stage 0); BWD_I also
+    gives what BWD_W needs; BWD and BWD_W donate what they finish with and the stage's
+    previous accumulator. Each entry is one task labelled as the schedule labels it
+    (fused parts: one task). As in the compiler (`Note: loop tasks`), stage 0 of a
+    split backward has no BWD_I task (no input gradient): its BWD_W takes the residual
+    and the gradient itself.
+    """
+    S, M = schedule.num_stages, num_microbatches
+    acc = {s: f"acc{s}@init" for s in range(S)}
+    tasks = []
+    for g, row in enumerate(schedule.tasks(M)):
+        ts = []
+        for entry in row:
+            ins: list[str] = []
+            outs: list[str] = []
+            donate: list[str] = []
+            parts = [t for t in entry_tasks(entry) if (t.type, t.stage_id) != (TaskType.BWD_I, 0)]
+            if not parts:
+                continue
+            for t in parts:
+                s, m, kind = t.stage_id, t.microbatch, t.type
+                if kind is TaskType.FWD:
+                    ins += [f"w{s}", f"x@{m}" if s == 0 else f"act{s - 1}@{m}"]
+                    outs += ([f"act{s}@{m}"] if s < S - 1 else []) + [f"res{s}@{m}"]
+                elif kind is TaskType.BWD_W:
+                    if s == 0:  # no BWD_I task: the residual and gradient come directly
+                        own = ["w0", f"res0@{m}"] + ([f"grad1@{m}"] if S > 1 else [])
+                    else:
+                        own = [f"wres{s}@{m}"]
+                    ins += own + [acc[s]]
+                    donate += [own[1] if s == 0 else own[0], acc[s]]
+                    acc[s] = f"acc{s}@{m}"
+                    outs.append(acc[s])
+                else:
+                    ins += [f"w{s}", f"res{s}@{m}"] + ([f"grad{s + 1}@{m}"] if s < S - 1 else [])
+                    outs += [f"grad{s}@{m}"] if s > 0 else []
+                    if kind is TaskType.BWD_I:
+                        outs.append(f"wres{s}@{m}")
+                    else:
+                        ins.append(acc[s])
+                        donate += [f"res{s}@{m}", acc[s]]
+                        acc[s] = f"acc{s}@{m}"
+                        outs.append(acc[s])
+            local = [v for v in ins if v not in outs]  # a fused part's input from its sibling
+            ins_d = list(dict.fromkeys(local))
+            label = task_label(parts[0] if len(parts) == 1 else tuple(parts))
+            ts.append(
+                TaskNode(
+                    label,
+                    g,
+                    label.replace("+", "_"),
+                    ins_d,
+                    outs,
+                    [v for v in donate if v in ins_d],
+                )
+            )
+        tasks.append(tuple(ts))
+    group_of = {s: schedule.get_mpmd_idx(s) for s in range(S)}
+    inputs = [(f"x@{m}", group_of[0], m) for m in range(M)]
+    inputs += [(f"w{s}", group_of[s], M + s) for s in range(S)]
+    inputs += [(f"acc{s}@init", group_of[s], M + S + s) for s in range(S)]
+    values = {v for v, _, _ in inputs} | {v for ts in tasks for t in ts for v in t.outs}
+    avals = {v: W if v.startswith(("w", "acc")) else ACT for v in sorted(values)}
+    outputs = [(acc[s], s) for s in range(S)]
+    return TaskGraph(schedule.mpmd_dim, tuple(tasks), tuple(inputs), tuple(outputs), avals)
+
+
+def kind_latency(times: dict[TaskType, float]) -> Callable[[Run], float]:
+    """A Run's time from its label's kinds (fused parts summed)."""
+    by_letter = {k.value: v for k, v in times.items()}
+    return lambda run: sum(by_letter[p.kind] for p in parse_label(run.task))
+
+
+# bench/lowering.py (no JAX at import): the schedule's own timeline, as the benchmark computes it.
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
+import lowering as bench  # noqa: E402
+
+DEFAULT = dict(DEFAULT_LATENCIES)
+SPLIT = {TaskType.FWD: 1.0, TaskType.BWD: 3.0, TaskType.BWD_I: 1.0, TaskType.BWD_W: 2.0}
+SCHEDULES = {
+    "gpipe": lambda g: GPipe(g),
+    "1f1b": lambda g: Std1F1B(g),
+    "eager1f1b": lambda g: Eager1F1B(g),
+    "interleaved": lambda g: Interleaved1F1B(2 * g, g),
+    "kimik2": lambda g: KimiK2(2 * g, g),
+    "zerobubble": lambda g: ZeroBubble(g),
+    "dualpipev": lambda g: DualPipeV(2 * g, g),
+}
+
+
+@pytest.mark.parametrize(
+    "name,groups,num_microbatches,times",
+    [
+        ("zerobubble", 2, 8, SPLIT),  # F=1, I=1, W=2: the weight half is the heavier one
+        ("zerobubble", 2, 8, DEFAULT),
+        ("interleaved", 2, 8, DEFAULT),
+        ("interleaved", 2, 8, SPLIT),
+        ("kimik2", 2, 16, DEFAULT),
+        ("dualpipev", 2, 8, DEFAULT),
+        ("1f1b", 4, 8, DEFAULT),
+    ],
+)
+def test_lowered_program_has_the_schedules_makespan(name, groups, num_microbatches, times):
+    schedule = SCHEDULES[name](groups)
+    program = build_program(schedule_graph(schedule, num_microbatches))
+    task_ms = bench.label_times(program, lambda label, kind, stage: times[TaskType(kind)])
+    own = bench.workload.schedule_makespan(schedule, num_microbatches, task_ms, 0.0)
+    assert simulate(program, kind_latency(times)).makespan == own
+    if not schedule.is_partial_bwd:  # the library's own analysis agrees (same tasks)
+        assert own == analyze_schedule(schedule, num_microbatches, times).makespan
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+@pytest.mark.parametrize("groups,num_microbatches", [(2, 4), (2, 8), (4, 8)])
+def test_never_slower_than_the_round_order(name, groups, num_microbatches):
+    graph = schedule_graph(SCHEDULES[name](groups), num_microbatches)
+    program = build_program(graph)
+    rounds, _ = lower._finish(lower._Lowering(graph))
+    for times in (DEFAULT, SPLIT):
+        latency = kind_latency(times)
+        new = simulate(program, latency).makespan
+        assert new <= simulate(rounds, latency, check_leaks=False).makespan
+    # Every candidate order verifies on its own (no deadlock, buffers, matching).
+    for eager in (True, False):
+        timed = lower._TimedLowering(graph, lower._estimate(graph, lower._ESTIMATE), eager)
+        verify(add_frees(lower._finish(timed)[0]))
+
+
+def test_zero_bubble_sends_the_activation_before_the_weight_task():
+    # Issue 16: the round order ran `F2s0; recv grad1; W1s0; send act2`, so group 1's
+    # F2s1 waited for a whole W. Now act2 leaves right after F2s0.
+    program, names = build_program_with_names(schedule_graph(ZeroBubble(2), 8))
+    instrs = program.group(0).instrs
+    runs = {i.task: k for k, i in enumerate(instrs) if isinstance(i, Run)}
+    sent = {names[0][s[0]]: k for k, i in enumerate(instrs) if (s := send_half(i)) is not None}
+    for m in range(1, 7):
+        assert runs[f"F{m + 1}s0"] < sent[f"act0@{m + 1}"] < runs[f"W{m}s0"]
+
+
+def test_timed_order_deterministic_and_parses_back():
+    graph = schedule_graph(DualPipeV(8, 4), 8)
+    program = build_program(graph)
+    assert build_program(graph).hash() == program.hash()
+    assert Program.parse(str(program)) == program
+    assert n_messages(program) == len(cross_edges(graph))
+
+
+def test_bench_compares_with_the_schedules_own_timeline():
+    # bench/lowering.py's comparison (the schedule's own timeline from bench/schedules.py)
+    # on the zero-bubble case: the program waits nowhere the schedule does not.
+    schedule = ZeroBubble(2)
+    program = build_program(schedule_graph(schedule, 8))
+    task_ms = bench.label_times(program, lambda label, kind, stage: SPLIT[TaskType(kind)])
+    r = bench.makespans(program, schedule, 8, task_ms, None, ACT)
+    assert r["lowered"] == r["schedule"] == 33.0
+    assert bench.compare(program, schedule, 8, task_ms, None, ACT)["rounds_lowered"] == 34.0
