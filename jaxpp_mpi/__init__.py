@@ -72,11 +72,11 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # what static tools see; the same names as _EXPORTS
     from jaxpp_mpi._src.api import MpmdFunction as MpmdFunction
     from jaxpp_mpi._src.api import mpmd_jit_with_loop as mpmd_jit_with_loop
-    from jaxpp_mpi._src.by_yield import mpmd_jit_by_yield as mpmd_jit_by_yield
-    from jaxpp_mpi._src.cross_mpmd import cross_mpmd_all_reduce as cross_mpmd_all_reduce
     from jaxpp_mpi._src.array import MpmdArray as MpmdArray
     from jaxpp_mpi._src.array import MpmdSharding as MpmdSharding
+    from jaxpp_mpi._src.by_yield import mpmd_jit_by_yield as mpmd_jit_by_yield
     from jaxpp_mpi._src.compiled import MpmdCompiled as MpmdCompiled
+    from jaxpp_mpi._src.cross_mpmd import cross_mpmd_all_reduce as cross_mpmd_all_reduce
     from jaxpp_mpi._src.errors import CompileError as CompileError
     from jaxpp_mpi._src.make_mesh import make_mpmd_mesh as make_mpmd_mesh
     from jaxpp_mpi._src.mesh import MpmdMesh as MpmdMesh

@@ -8,9 +8,9 @@ lists the names JaxPP's module has and this one does not, and why.
 
 from jaxpp_mpi._src.api import mpmd_jit_with_loop as mpmd_jit_with_loop
 from jaxpp_mpi._src.array import MpmdArray as MpmdArray
+from jaxpp_mpi._src.array import MpmdSharding as MpmdSharding
 from jaxpp_mpi._src.by_yield import mpmd_jit_by_yield as mpmd_jit_by_yield
 from jaxpp_mpi._src.cross_mpmd import cross_mpmd_all_reduce as cross_mpmd_all_reduce
-from jaxpp_mpi._src.array import MpmdSharding as MpmdSharding
 from jaxpp_mpi._src.make_mesh import make_mpmd_mesh as make_mpmd_mesh
 from jaxpp_mpi._src.mesh import MpmdMesh as MpmdMesh
 from jaxpp_mpi._src.reshard.reshard import mpmd_to_spmd_reshard as mpmd_to_spmd_reshard
