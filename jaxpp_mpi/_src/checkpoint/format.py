@@ -36,11 +36,13 @@ import json
 import math
 import os
 from collections.abc import Sequence
-from typing import Any, BinaryIO
+from typing import Any
 
 import jax
 import ml_dtypes
 import numpy as np
+
+from jaxpp_mpi._src.files import read_at_most
 
 __all__ = ["CheckpointError", "KeyPath", "LeafEntry", "Manifest", "Placement"]
 
@@ -437,22 +439,6 @@ def _load_json(text: str | bytes, where: str) -> dict:
     if not isinstance(raw, dict):
         raise CheckpointError(f"{where}: the top level must be a JSON object")
     return raw
-
-
-def read_at_most(f: BinaryIO, limit: int, chunk: int = 1 << 20) -> bytes:
-    """The bytes of `f` up to its end or to `limit` + 1 bytes, whichever comes first.
-
-    Reads chunk by chunk: one `f.read(limit + 1)` would allocate `limit` bytes even for a
-    small file, and a device or pipe (`/dev/zero`, `<(...)`) reports no size to trust.
-    """
-    parts, total = [], 0
-    while total <= limit:
-        part = f.read(min(chunk, limit + 1 - total))
-        if not part:
-            break
-        parts.append(part)
-        total += len(part)
-    return b"".join(parts)
 
 
 def read_json_file(file: str, what: str) -> str:

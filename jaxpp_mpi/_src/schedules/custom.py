@@ -10,8 +10,8 @@ import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import BinaryIO
 
+from jaxpp_mpi._src.files import read_at_most
 from jaxpp_mpi._src.schedules.check import ScheduleError, check_tasks, describe
 from jaxpp_mpi._src.schedules.library import BaseSchedule, check_positive
 from jaxpp_mpi._src.schedules.tasks import (
@@ -302,7 +302,7 @@ class CustomSchedule(BaseSchedule):
         """
         try:
             with open(path, "rb") as f:
-                data = _read_at_most(f, MAX_CSV_BYTES)
+                data = read_at_most(f, MAX_CSV_BYTES)
         except OSError as e:
             raise ScheduleError(
                 f"{path}: cannot read the schedule CSV: {e.strerror or e}"
@@ -374,23 +374,6 @@ class CustomSchedule(BaseSchedule):
             return cls.from_tasks(groups, cells=cells)
         except ScheduleError as e:
             raise ScheduleError(f"{source}: {e}") from None
-
-
-def _read_at_most(f: BinaryIO, limit: int, chunk: int = 1 << 20) -> bytes:
-    """The bytes of ``f`` up to its end or to ``limit`` + 1 bytes, whichever comes first.
-
-    Reads chunk by chunk: one ``f.read(limit + 1)`` would allocate ``limit`` bytes even for
-    a small file, and a device or pipe (``/dev/zero``, ``<(...)``) reports no size to trust.
-    (The checkpoint format has its own copy: this package imports nothing of JAX.)
-    """
-    parts, total = [], 0
-    while total <= limit:
-        part = f.read(min(chunk, limit + 1 - total))
-        if not part:
-            break
-        parts.append(part)
-        total += len(part)
-    return b"".join(parts)
 
 
 def _decode_csv(data: bytes, source: str) -> str:
