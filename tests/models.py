@@ -163,6 +163,18 @@ def assert_close_to_reference(reference, pipelined, rtol=1e-5, atol=1e-6) -> int
     return compared
 
 
+def assert_tree_close(ref, out, rtol: float = 1e-5, atol: float = 1e-6) -> None:
+    """Same pytree structure, every leaf of the same shape and dtype as the reference's
+    and equal to it within `rtol`/`atol`."""
+    ref_leaves, ref_tree = jax.tree.flatten(ref)
+    out_leaves, out_tree = jax.tree.flatten(out)
+    assert out_tree == ref_tree
+    for k, (r, o) in enumerate(zip(ref_leaves, out_leaves)):
+        r, o = np.asarray(r), np.asarray(o)
+        assert o.shape == r.shape and o.dtype == r.dtype, f"leaf {k}"
+        np.testing.assert_allclose(o, r, rtol=rtol, atol=atol, err_msg=f"leaf {k}")
+
+
 def random_array(seed: int, shape, dtype) -> np.ndarray:
     """Random bit patterns of `dtype` (NaN payloads and -0.0 included for floats), the
     same on every rank for the same seed."""

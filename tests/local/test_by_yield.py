@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from models import mlp
+from models import assert_tree_close, mlp
 
 import jaxpp_mpi as jp
 from jaxpp_mpi._src.by_yield import StagesInOrder, mpmd_jit_by_yield
@@ -36,14 +36,7 @@ def one_batch(num_stages: int):
 
 
 def assert_matches(ref, out) -> None:
-    ref_leaves, ref_tree = jax.tree.flatten(ref)
-    out_leaves, out_tree = jax.tree.flatten(out)
-    assert out_tree == ref_tree
-    for k, (r, o) in enumerate(zip(ref_leaves, out_leaves)):
-        r, o = np.asarray(r), np.asarray(o)
-        assert o.shape == r.shape and o.dtype == r.dtype, f"leaf {k}"
-        np.testing.assert_allclose(o, r, rtol=RTOL, atol=0, err_msg=f"leaf {k}")
-
+    assert_tree_close(ref, out, RTOL, 0)
 
 def stage_tasks(compiled: jp.MpmdCompiled, group: int) -> list[tuple[str, int]]:
     """(kind, stage) of each loop task group `group` runs, in order."""

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from models import assert_tree_close as _assert_tree_close
 
 import jaxpp_mpi as jp
 from jaxpp_mpi._src.compiler.lower import live_buffer_profile
@@ -100,14 +101,7 @@ def optax_step(schedule, optimizer, loss_fn: Callable = mlp_loss) -> Callable:
 
 def assert_tree_close(ref: Any, out: Any) -> None:
     """Same pytree structure, every leaf equal to the reference up to float32 noise."""
-    ref_leaves, ref_tree = jax.tree.flatten(ref)
-    out_leaves, out_tree = jax.tree.flatten(out)
-    assert out_tree == ref_tree
-    for k, (r, o) in enumerate(zip(ref_leaves, out_leaves)):
-        r, o = np.asarray(r), np.asarray(o)
-        assert o.shape == r.shape and o.dtype == r.dtype, f"leaf {k}"
-        np.testing.assert_allclose(o, r, rtol=RTOL, atol=ATOL, err_msg=f"leaf {k}")
-
+    _assert_tree_close(ref, out, RTOL, ATOL)
 
 def check_against_reference(step: Callable, *args: Any, groups: int = 2, **kwargs: Any):
     """Runs `step` pipelined and under plain jax.jit; asserts equal results."""
