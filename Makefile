@@ -27,9 +27,11 @@ test: lint test-unit test-mpi
 test-unit: $(PY)
 	$(PY) -m pytest tests/unit tests/local tests/jobs -q $(PYTEST_ARGS)
 
+# -n 4 repeats what more ranks change (pipelines, transport, meshes, reshard, fuzz); the
+# bad-input and call-surface tests check agreements of all ranks, already whole at -n 2.
 test-mpi: $(PY)
 	$(call MPI_PYTEST,2) -k "not sharded_groups"
-	$(call MPI_PYTEST,4) -k "not sharded_groups"
+	$(call MPI_PYTEST,4) -k "not sharded_groups and not bad_input_mpi and not call_surface_mpi"
 	XLA_FLAGS=--xla_force_host_platform_device_count=2 $(call MPI_PYTEST,2) \
 	  -k "shard or mismatch or (parity and (1f1b or interleaved))"
 
