@@ -35,7 +35,18 @@ from typing import NamedTuple
 
 THREADS_PER_RANK_ENV = "JAXPP_MPI_THREADS_PER_RANK"
 GPUS_PER_RANK_ENV = "JAXPP_MPI_GPUS_PER_RANK"
-_SINGLE_THREAD_XLA = "--xla_cpu_multi_thread_eigen=false"
+# Note: one-thread XLA flags.
+#   A rank with one compute thread gets XLA's multi-threaded CPU kernels off, and XLA's
+#   memory-minimising CPU scheduler instead of the concurrency-optimised default: with one
+#   thread there is no concurrency to gain, while the default runs a task's independent
+#   dots before their consumers and keeps every temporary live. In a zero-bubble W task
+#   (8 weight-gradient dots, each followed by its accumulation) that made the task 3x
+#   slower, from page faults on 128 MiB of fresh temporaries per call (bench/README.md:
+#   ZeroBubble 0.57 -> 0.95 of its ideal). The flag is global (XLA reads it from
+#   XLA_FLAGS, not from a compile's `compiler_options`). A flag the user set either way
+#   is kept as given.
+_SINGLE_THREAD_XLA = ("--xla_cpu_multi_thread_eigen=false",
+                      "--xla_cpu_enable_concurrency_optimized_scheduler=false")
 _NVIDIA_GPUS_DIR = "/proc/driver/nvidia/gpus"
 
 
@@ -238,13 +249,15 @@ def thread_env(threads: int, base_env: Mapping[str, str]) -> dict[str, str]:
 
     Returns:
       `JAXPP_MPI_THREADS_PER_RANK` and `OMP_NUM_THREADS`, plus, for one thread,
-      `XLA_FLAGS` with XLA's multi-threaded CPU kernels turned off.
+      `XLA_FLAGS` with the one-thread flags (`Note: one-thread XLA flags`).
     """
     env = {THREADS_PER_RANK_ENV: str(threads), "OMP_NUM_THREADS": str(threads)}
     if threads == 1:
         flags = base_env.get("XLA_FLAGS", "")
-        if _SINGLE_THREAD_XLA not in flags.split():
-            flags = (flags + " " + _SINGLE_THREAD_XLA).strip()
+        given = {f.split("=")[0] for f in flags.split()}
+        for flag in _SINGLE_THREAD_XLA:
+            if flag.split("=")[0] not in given:
+                flags = (flags + " " + flag).strip()
         env["XLA_FLAGS"] = flags
     return env
 

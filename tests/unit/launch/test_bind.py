@@ -141,6 +141,7 @@ def test_cpu_threads_and_core_slice():
               threads_per_rank=1, cpu_devices=2)
     assert dict(b.env)["XLA_FLAGS"].split() == [
         "--xla_dump_to=/d", "--xla_cpu_multi_thread_eigen=false",
+        "--xla_cpu_enable_concurrency_optimized_scheduler=false",
         "--xla_force_host_platform_device_count=2"]
     assert b.cores == (1,)
 

@@ -41,7 +41,13 @@ def test_thread_env_exported_and_xla_flags_kept():
     env = dict(plan.env)
     assert env["OMP_NUM_THREADS"] == "1" and env["JAXPP_MPI_THREADS_PER_RANK"] == "1"
     assert env["XLA_FLAGS"].split() == [
-        "--xla_dump_to=/tmp/x", "--xla_cpu_multi_thread_eigen=false"]
+        "--xla_dump_to=/tmp/x", "--xla_cpu_multi_thread_eigen=false",
+        "--xla_cpu_enable_concurrency_optimized_scheduler=false"]
+    # A one-thread flag the user set either way is kept as given.
+    user = _plan(2, base_env={"XLA_FLAGS": "--xla_cpu_enable_concurrency_optimized_scheduler=true"})
+    assert dict(user.env)["XLA_FLAGS"].split() == [
+        "--xla_cpu_enable_concurrency_optimized_scheduler=true",
+        "--xla_cpu_multi_thread_eigen=false"]
     for key in env:
         assert ("-x", key) in zip(plan.argv, plan.argv[1:])
     # More than one thread: no single-thread XLA flag.
