@@ -9,6 +9,8 @@ from typing import Union
 
 __all__ = [
     "INSTR_TYPES",
+    "REDUCE_OPS",
+    "AllReduce",
     "Aval",
     "Free",
     "Instr",
@@ -273,8 +275,45 @@ class Free:
         return "free " + " ".join(map(_b, self.bufs))
 
 
-Instr = Union[Run, Send, Recv, SendRecv, Free]  # noqa: UP007 (a runtime alias)
-INSTR_TYPES = (Run, Send, Recv, SendRecv, Free)
+REDUCE_OPS = ("sum", "max", "bor")
+"""How `AllReduce` combines: `sum` and `max` elementwise; `bor` the bitwise OR of the
+values' bit patterns (exact for buffers of which at most one replica holds non-zero bits
+at each position, such as a `Concat` state: `Note: replicas` in compiler/replicas.py)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AllReduce:
+    """Combines `bufs` across the pipeline replicas of this group, in place.
+
+    Every replica of the pipeline runs the same group program; this instruction is a
+    collective of the ranks that run group g's program (one per replica). After it,
+    each buffer holds the combination (`op`, see `REDUCE_OPS`) of that buffer over all
+    replicas, on every replica. The buffers stay defined with the same avals. With one
+    replica it changes nothing. Messages never cross replicas, so it cannot deadlock
+    against Send/Recv (`Note: replicas` in compiler/replicas.py).
+
+    Attributes:
+      bufs: the buffers (defined before, not freed), reduced together (one bucket).
+      op: one of `REDUCE_OPS`.
+    """
+
+    bufs: tuple[int, ...]
+    op: str = "sum"
+
+    def __post_init__(self):
+        bufs = _buf_ids(self.bufs)
+        if not bufs or len(set(bufs)) != len(bufs):
+            raise ValueError(f"AllReduce needs distinct buffers, got {bufs}")
+        if self.op not in REDUCE_OPS:
+            raise ValueError(f"AllReduce op must be one of {REDUCE_OPS}, got {self.op!r}")
+        _set(self, "bufs", bufs)
+
+    def __str__(self) -> str:
+        return f"allreduce {_bl(self.bufs)} op={self.op}"
+
+
+Instr = Union[Run, Send, Recv, SendRecv, Free, AllReduce]  # noqa: UP007 (a runtime alias)
+INSTR_TYPES = (Run, Send, Recv, SendRecv, Free, AllReduce)
 
 
 def _parse_bufs(text: str) -> tuple[int, ...]:
@@ -313,6 +352,10 @@ _INSTR_PARSERS = {
     "free": (
         re.compile(r"free((?: %\d+)+)"),
         lambda m: Free(tuple(int(t[1:]) for t in m[1].split())),
+    ),
+    "allreduce": (
+        re.compile(r"allreduce \(([^)]*)\) op=(\w+)"),
+        lambda m: AllReduce(_parse_bufs(m[1]), m[2]),
     ),
 }
 

@@ -14,6 +14,8 @@ from functools import cached_property
 
 from jaxpp_mpi._src.ir.instructions import (
     INSTR_TYPES,
+    REDUCE_OPS,
+    AllReduce,
     Aval,
     Free,
     Instr,
@@ -27,6 +29,8 @@ from jaxpp_mpi._src.ir.instructions import (
 
 __all__ = [
     "INSTR_TYPES",
+    "REDUCE_OPS",
+    "AllReduce",
     "Aval",
     "Free",
     "GroupProgram",
