@@ -1,13 +1,14 @@
 """The one rendezvous player: every group of a Program played together, blocking sends.
 
 Note: rendezvous play.
-  All groups advance together, each through its instructions in program order. Run and
-  Free complete at once. A Send (or the send half of a SendRecv) completes only when its
-  destination has reached the matching Recv (or receive half), and the other way round;
-  the two halves then *match*, one joint event of both groups. A SendRecv completes once
-  both of its halves have matched. Which receive a send meets is fixed statically by
-  `match_messages`. A program whose play ends with some group short of its end would
-  deadlock under MPI without eager buffering (`ProgramError` kind 'deadlock').
+  All groups advance together, each through its instructions in program order. Run,
+  Free and AllReduce complete at once. A Send (or the send half of a SendRecv)
+  completes only when its destination has reached the matching Recv (or receive half),
+  and the other way round; the two halves then *match*, one joint event of both
+  groups. A SendRecv completes once both of its halves have matched. Which receive a
+  send meets is fixed statically by `match_messages`. A program whose play ends with
+  some group short of its end would deadlock under MPI without eager buffering
+  (`ProgramError` kind 'deadlock').
 
   The play is deterministic: groups are visited in sweeps, in increasing group order;
   a visited group advances until it blocks, and a group whose instruction is unblocked
@@ -15,6 +16,19 @@ Note: rendezvous play.
   the next sweep. Which groups finish, and where the others block, do not depend on
   this order; the order of `Completed` and `Matched` events does (the local executor
   runs in it, see `Note: local order` in runtime/local.py).
+
+  An AllReduce is a collective of the R ranks that run one group's program, one per
+  pipeline replica (`Note: replica reductions` in ir/passes.py), yet it is played as
+  completing at once, and one play stands for all R replicas. That is sound: every
+  replica runs the same programs and messages never cross replicas, so the R replicas
+  can replay this play in lockstep, each event in all of them at once: a Run, a Free
+  or a matched message concerns one replica at a time, and an AllReduce of group g
+  finds the R copies of group g all at it, so it completes. If this play finishes,
+  that lockstep play of the R replicas finishes too. Nor can another interleaving
+  deadlock: each rank's program is a fixed sequence and its messages' partners are
+  fixed (`match_messages`), so where a rank blocks depends only on what the others
+  have reached, not on the order they reached it in (the argument that makes the
+  sweep order irrelevant above).
 
   The verifier and simulator (ir/simulate.py) and the local executor's global order
   (runtime/local.py) consume this play. Lowering (compiler/lower.py) does not: it
@@ -29,7 +43,15 @@ import heapq
 from collections.abc import Iterator, Sequence
 
 from jaxpp_mpi._src.ir.passes import Loc, Matching, match_messages
-from jaxpp_mpi._src.ir.program import Free, GroupProgram, Program, ProgramError, Run, SendRecv
+from jaxpp_mpi._src.ir.program import (
+    AllReduce,
+    Free,
+    GroupProgram,
+    Program,
+    ProgramError,
+    Run,
+    SendRecv,
+)
 
 __all__ = ["Completed", "Matched", "format_grid", "play"]
 
@@ -167,7 +189,7 @@ def play(program: Program, matching: Matching | None = None) -> Iterator[Complet
             pc, instr = pcs[a], code[pcs[a]]
             if isinstance(instr, Run):
                 tasks[a] = instr.task
-            elif not isinstance(instr, Free):
+            elif not isinstance(instr, (Free, AllReduce)):
                 for half, peers in (("send", matching.recv_of), ("recv", matching.send_of)):
                     peer = peers[a].get(pc)
                     if peer is None or half in done[a] or pcs[peer[0]] != peer[1]:

@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import dataclasses
-import re
+import math
 from collections.abc import Callable
 
 from jaxpp_mpi._src.ir import rendezvous
-from jaxpp_mpi._src.ir.passes import Matching, match_messages, recv_half, send_half
+from jaxpp_mpi._src.ir.passes import (
+    Matching,
+    aval_nbytes,
+    match_messages,
+    recv_half,
+    send_half,
+)
 from jaxpp_mpi._src.ir.program import (
+    AllReduce,
     Aval,
     Free,
     GroupProgram,
@@ -24,6 +31,7 @@ from jaxpp_mpi._src.ir.rendezvous import format_grid
 from jaxpp_mpi._src.schedules.tasks import label_latency
 
 __all__ = [
+    "AllReduceCost",
     "Event",
     "MessageCost",
     "ProgramError",
@@ -31,12 +39,15 @@ __all__ = [
     "aval_nbytes",
     "default_latency",
     "format_grid",
+    "ring_allreduce",
     "simulate",
     "verify",
 ]
 
 Latency = Callable[[Run], float]
 Transfer = Callable[[Aval], float]
+AllReduceCost = Callable[[float, int], float]
+"""(bytes of one AllReduce's buffers together, number of replicas) -> its time."""
 
 
 def default_latency(instr: Run) -> float:
@@ -59,30 +70,16 @@ def default_latency(instr: Run) -> float:
         raise ValueError(f"{e} of `{instr}`") from None
 
 
+def _no_latency(instr: Run) -> float:
+    return 0.0
+
+
 def _no_transfer(aval: Aval) -> float:
     return 0.0
 
 
-def aval_nbytes(aval: Aval) -> float:
-    """Returns the size in bytes of a value of `aval` (the whole value, all shards).
-
-    The width comes from the dtype's name ('float32': 4, 'bfloat16': 2, 'float8_e4m3fn':
-    1, 'int4': 0.5, 'complex64': 8); 'bool' is one byte.
-
-    Raises:
-      ValueError: for a dtype name without a bit width.
-    """
-    if aval.dtype == "bool":
-        bits = 8
-    else:
-        width = re.search(r"\d+", aval.dtype)
-        if width is None:
-            raise ValueError(f"cannot tell the width of dtype {aval.dtype!r} of {aval}")
-        bits = int(width.group())
-    count = 1
-    for d in aval.shape:
-        count *= d
-    return count * bits / 8
+def _no_reduce(instr: AllReduce, g: GroupProgram) -> float:
+    return 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +93,8 @@ class MessageCost:
       link measured by ping-pong (`bench/p2p.py`: latency is half the round trip of a
       small message, bandwidth the slope over large ones), in the unit the task
       latencies use (the benchmarks use milliseconds, so `bandwidth` is bytes per ms).
-      A SendRecv's two halves are two messages, each charged on its own. Without a
+      A SendRecv's two halves are two messages, each charged on its own; an AllReduce
+      across replicas is charged as a ring of such messages (`ring_allreduce`). Without a
       transfer, messages are free, which isolates the schedule's own bubbles;
       with a measured one, measured / predicted isolates the runtime's overhead.
 
@@ -122,6 +120,33 @@ class MessageCost:
         return self.latency + aval_nbytes(aval) / self.bandwidth
 
 
+def ring_allreduce(transfer: Transfer | None) -> AllReduceCost:
+    """The time of an `AllReduce` as a ring all-reduce over the link `transfer` models.
+
+    A ring all-reduce of n bytes over R ranks takes 2(R-1) steps (reduce-scatter, then
+    all-gather), each moving n/R bytes to the next rank. With `MessageCost(latency,
+    bandwidth)` that is `2(R-1)/R * n / bandwidth + 2(R-1) * latency`; with another
+    transfer, 2(R-1) messages of `ceil(n/R)` bytes (as a uint8 vector). It is 0 with
+    one replica or free messages (`transfer` None).
+
+    Args:
+      transfer: the point-to-point message model (`Note: message model`), or None.
+
+    Returns:
+      `cost(nbytes, replicas)`.
+    """
+
+    def cost(nbytes: float, replicas: int) -> float:
+        if transfer is None or replicas <= 1:
+            return 0.0
+        steps = 2 * (replicas - 1)
+        if isinstance(transfer, MessageCost):
+            return steps / replicas * nbytes / transfer.bandwidth + steps * transfer.latency
+        return steps * transfer(Aval((math.ceil(nbytes / replicas),), "uint8"))
+
+    return cost
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Event:
     """One executed instruction of one group, for Gantt charts and traces."""
@@ -130,6 +155,19 @@ class Event:
     instr: Instr
     start: float
     end: float
+
+    @property
+    def kind(self) -> str:
+        """'task' (a Run), 'message' (Send, Recv, SendRecv), 'allreduce' or 'free'; the
+        first three are the categories of the runtime's trace events
+        (`timeline.timing.TraceEvent.cat`)."""
+        if isinstance(self.instr, Run):
+            return "task"
+        if isinstance(self.instr, AllReduce):
+            return "allreduce"
+        if isinstance(self.instr, Free):
+            return "free"
+        return "message"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,6 +272,9 @@ def _check_buffers(g: GroupProgram, check_leaks: bool) -> None:
             case Free():
                 for b in instr.bufs:
                     kill(i, b, "freed")
+            case AllReduce():
+                for b in instr.bufs:  # reduced in place: still live, same aval
+                    use(i, b)
     for b, k in g.outputs:
         if b not in live:
             how = f"was {dead[b][1]} at #{dead[b][0]}" if b in dead else "is never defined"
@@ -286,7 +327,12 @@ def _check_static(program: Program, check_leaks: bool) -> Matching:
 
 
 def _play(
-    program: Program, latency: Latency, transfer: Transfer, check_leaks: bool, record: bool
+    program: Program,
+    latency: Latency,
+    transfer: Transfer,
+    reduce_time: Callable[[AllReduce, GroupProgram], float],
+    check_leaks: bool,
+    record: bool,
 ) -> SimResult:
     """Times the rendezvous play (`rendezvous.play`) of a statically checked program."""
     matching = _check_static(program, check_leaks)
@@ -310,6 +356,8 @@ def _play(
             busy[a] += end - start
         elif isinstance(instr, Free):
             end = start
+        elif isinstance(instr, AllReduce):
+            end = start + reduce_time(instr, program.groups[a])
         else:
             end = max(halves[a])
             halves[a] = []
@@ -328,11 +376,12 @@ def verify(program: Program, *, check_leaks: bool = True) -> None:
     """Proves that `program` runs to completion under rendezvous send/recv.
 
     Checks peers, tags, buffer lifetimes and message avals statically, then plays all
-    groups together (`rendezvous.play`, see `Note: rendezvous play`): Run and Free
-    complete at once; a Send (or a send half) completes only when its destination has
-    reached the matching Recv (or receive half), and the other way round; a SendRecv
-    completes when both halves have. See `Note: program invariants` for the buffer and
-    matching rules checked.
+    groups together (`rendezvous.play`, see `Note: rendezvous play`): Run, Free and
+    AllReduce complete at once; a Send (or a send half) completes only when its
+    destination has reached the matching Recv (or receive half), and the other way
+    round; a SendRecv completes when both halves have. See `Note: program invariants`
+    for the buffer and matching rules checked; an AllReduce uses its buffers (defined,
+    not freed) and leaves them live, and is no message.
 
     Args:
       program: the program.
@@ -343,7 +392,7 @@ def verify(program: Program, *, check_leaks: bool = True) -> None:
         'redefined', 'leak', 'unmatched', 'aval_mismatch' or 'deadlock', and a message
         naming the group(s) and instruction(s) involved.
     """
-    _play(program, lambda instr: 0.0, _no_transfer, check_leaks, record=False)
+    _play(program, _no_latency, _no_transfer, _no_reduce, check_leaks, record=False)
 
 
 def simulate(
@@ -352,11 +401,18 @@ def simulate(
     transfer: Transfer | None = None,
     *,
     check_leaks: bool = True,
+    replicas: int = 1,
+    allreduce_cost: AllReduceCost | None = None,
 ) -> SimResult:
     """Plays `program` as `verify` does, with time.
 
     A Run takes `latency(instr)`; a message completes at the later of the times its
-    sender and its receiver reached it, plus `transfer(aval)`; Free takes no time.
+    sender and its receiver reached it, plus `transfer(aval)`; Free takes no time; an
+    AllReduce occupies its group for `allreduce_cost(nbytes, replicas)`, nbytes being
+    the total `aval_nbytes` of its buffers. The `replicas` pipeline replicas are taken
+    to run in lockstep (each plays the same program with the same latencies), so one
+    replica is played and no replica waits for another at an AllReduce; a replica
+    that lags in practice (other data, a slower device) is not modelled.
 
     Args:
       program: the program.
@@ -365,13 +421,30 @@ def simulate(
         messages). `MessageCost(latency, bandwidth)` is the measured link's model
         (see `Note: message model`).
       check_leaks: as in `verify`.
+      replicas: the number of pipeline replicas R, each running this program.
+      allreduce_cost: time of an AllReduce from its bytes and R;
+        `ring_allreduce(transfer)` if None (0 when R == 1 or messages are free).
 
     Returns:
-      Finish times, makespan, per-instruction events and busy time per group.
+      Finish times, makespan, per-instruction events and busy time (Runs only) per
+      group.
 
     Raises:
       ProgramError: as `verify`.
+      ValueError: if `replicas < 1`.
     """
+    if replicas < 1:
+        raise ValueError(f"replicas must be >= 1, got {replicas}")
+    cost = allreduce_cost or ring_allreduce(transfer)
+
+    def reduce_time(instr: AllReduce, g: GroupProgram) -> float:
+        return cost(sum(aval_nbytes(g.aval(b)) for b in instr.bufs), replicas)
+
     return _play(
-        program, latency or default_latency, transfer or _no_transfer, check_leaks, record=True
+        program,
+        latency or default_latency,
+        transfer or _no_transfer,
+        reduce_time,
+        check_leaks,
+        record=True,
     )

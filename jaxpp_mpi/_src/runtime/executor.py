@@ -7,9 +7,11 @@ Note: executor steps.
   group's offset, see `BufferLayout`), holding arrays or None. `times` is the dict of the
   active `collect_task_times_ms` block or None. Instructions become steps through a
   dispatch table keyed by instruction type (`bind_steps`); Run and Free binders live
-  here, the message binders in each executor. Every Run with a task label gets two
-  steps, an untimed one and a timed one (see `Note: task timing` in timing.py); the
-  executor picks the whole list once per `run`, so untimed steps never block.
+  here, and the AllReduce binder of a single replica (the identity); the message
+  binders, and the AllReduce binder across replicas, in each executor. Every Run with
+  a task label gets two steps, an untimed one and a timed one (see `Note: task timing`
+  in timing.py); the executor picks the whole list once per `run`, so untimed steps
+  never block.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any
 
 import jax
 
-from jaxpp_mpi._src.ir.program import Aval, Free, GroupProgram, Run
+from jaxpp_mpi._src.ir.program import AllReduce, Aval, Free, GroupProgram, Run
 from jaxpp_mpi._src.timeline.timing import TaskTimes, TraceEvent, active_task_times
 
 __all__ = [
@@ -28,6 +30,7 @@ __all__ = [
     "Step",
     "StepBinder",
     "StepLists",
+    "bind_allreduce_identity",
     "bind_free",
     "bind_run",
     "bind_steps",
@@ -198,6 +201,19 @@ def bind_free(layout: BufferLayout) -> StepBinder:
                 table[s] = None
 
         return free, free
+
+    return bind
+
+
+def bind_allreduce_identity() -> StepBinder:
+    """The binder of AllReduce when this executor runs one replica: a step that does
+    nothing (combining a value over one replica leaves it as it is, in place)."""
+
+    def bind(group: int, instr: AllReduce) -> tuple[Step, Step]:
+        def identity(table: Table, times: TaskTimes | None) -> None:
+            pass
+
+        return identity, identity
 
     return bind
 

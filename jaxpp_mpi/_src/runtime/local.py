@@ -3,8 +3,9 @@
 Note: local order.
   In local mode all groups share one Python thread, so their programs are interleaved
   into one global order, computed once in the constructor from the rendezvous play
-  (`rendezvous.play`, see `Note: rendezvous play`): each Run and Free is placed where
-  its group completes it, and each matched message becomes one transfer step,
+  (`rendezvous.play`, see `Note: rendezvous play`): each Run, Free and AllReduce is
+  placed where its group completes it (an AllReduce is the identity: the local
+  executor runs one replica), and each matched message becomes one transfer step,
   `jax.device_put(x, shardings(dst, aval))`, placed where its halves match (the sender
   is still at its send, so `x` is live; the receiver is at its receive, so nothing it
   runs later is out of order). Each `run` then just walks that flat list. JAX dispatch
@@ -25,7 +26,7 @@ import jax.numpy as jnp
 
 from jaxpp_mpi._src.ir import rendezvous
 from jaxpp_mpi._src.ir.passes import recv_half, send_half
-from jaxpp_mpi._src.ir.program import Aval, Free, Program, Run
+from jaxpp_mpi._src.ir.program import AllReduce, Aval, Free, Program, Run
 from jaxpp_mpi._src.runtime.executor import (
     BufferLayout,
     Executable,
@@ -35,6 +36,7 @@ from jaxpp_mpi._src.runtime.executor import (
     Step,
     StepBinder,
     Table,
+    bind_allreduce_identity,
     bind_free,
     bind_run,
     bind_steps,
@@ -57,29 +59,29 @@ class Transfer:
     aval: Aval
 
 
-def local_order(program: Program) -> list[tuple[int, Run | Free | Transfer]]:
+def local_order(program: Program) -> list[tuple[int, Run | Free | AllReduce | Transfer]]:
     """Interleaves the groups' programs into one global order (see `Note: local order`).
 
     Args:
       program: a verified program (`simulate.verify`).
 
     Returns:
-      (group, op) pairs: Run and Free instructions of that group, and `Transfer`s (with
-      the receiving group), in an order valid for every group.
+      (group, op) pairs: Run, Free and AllReduce instructions of that group, and
+      `Transfer`s (with the receiving group), in an order valid for every group.
 
     Raises:
       ProgramError: if a message has no partner or the play deadlocks (a program that
         `verify` accepts does neither).
     """
     instrs = [g.instrs for g in program.groups]
-    order: list[tuple[int, Run | Free | Transfer]] = []
+    order: list[tuple[int, Run | Free | AllReduce | Transfer]] = []
     for event in rendezvous.play(program):
         if isinstance(event, rendezvous.Matched):
             (s, i), (d, j) = event.send, event.recv
             buf = send_half(instrs[s][i])[0]  # type: ignore[index]
             rbuf, _, _, aval = recv_half(instrs[d][j])  # type: ignore[misc]
             order.append((d, Transfer(s, buf, d, rbuf, aval)))
-        elif isinstance(instr := instrs[event.group][event.index], (Run, Free)):
+        elif isinstance(instr := instrs[event.group][event.index], (Run, Free, AllReduce)):
             order.append((event.group, instr))
     return order
 
@@ -152,6 +154,7 @@ class LocalExecutor:
         binders: dict[type, StepBinder] = {
             Run: bind_run(layout, executables),
             Free: bind_free(layout),
+            AllReduce: bind_allreduce_identity(),
             Transfer: _bind_transfer(layout, shardings),
         }
         self._steps = bind_steps(local_order(program), binders)
