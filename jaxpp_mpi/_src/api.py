@@ -36,7 +36,7 @@ from typing import Any
 import jax
 from jax.extend import core as jex_core
 
-from jaxpp_mpi._src import agree
+from jaxpp_mpi._src import agree, config
 from jaxpp_mpi._src.arguments import (
     Call,
     abstract,
@@ -139,7 +139,7 @@ class MpmdFunction:
                 return compiled, call
         mesh = self.mpmd_mesh
         # Local mode: one process, nothing to agree on; each step below simply raises.
-        comm: Comm = None if mesh.is_local else mesh.comm
+        comm: Comm = None if mesh.is_local else mesh.job_comm  # every replica
         self._agree_on_arguments(call, key, error, name, comm)
         plan = agree.run(lambda: self._plan(call, key, name), comm,
                          _ranks_failed(name, "to trace it"), own="if_all",
@@ -241,7 +241,9 @@ class MpmdFunction:
                          for s in per_leaf(self._out_shardings, out_tree, "out_shardings")]
         start = time.perf_counter()
         plan = build_step(bound, abstract_args, mesh.mpmd_dim, in_specs=in_specs,
-                          out_specs=out_specs, donate=donate, what=f"{name}", mesh=mesh)
+                          out_specs=out_specs, donate=donate, what=f"{name}", mesh=mesh,
+                          num_replicas=mesh.num_replicas,
+                          replica_bucket_bytes=config.options().replica_bucket_bytes)
         if out_specs is not None:
             out_paths = paths((jax.tree.unflatten(plan.out_tree, plan.output_avals),))
             for k, (spec, aval) in enumerate(zip(out_specs, plan.output_avals)):

@@ -365,8 +365,8 @@ class MpmdCompiled:
                 # extends the deadline (`Note: deadlines` in runtime/failure.py).
                 failure.record_work("compile barrier", time.perf_counter() - started)
                 gathered = agree.allgather_or_raise(
-                    None if error else mine, error, mesh.comm, _compile_failed, own="if_all",
-                    label="compile barrier")
+                    None if error else mine, error, mesh.job_comm, _compile_failed,
+                    own="if_all", label="compile barrier")
                 return {k: v for layouts in gathered for k, v in layouts.items()}
 
         fixed = {k: a.spec for k, (a, f) in enumerate(zip(plan.output_avals,
@@ -424,7 +424,8 @@ class MpmdCompiled:
         g = mesh.my_mpmd_axis_index
         # No message yet: `MpmdFunction.compile` agrees with the other ranks first.
         return MpiExecutor(plan.program, g, executables[g],
-                           functools.partial(self.sharding, g), mesh.comm)
+                           functools.partial(self.sharding, g), mesh.comm,
+                           replica_comm=mesh.replica_comm)
 
     def _fixed_inputs(self) -> list[Any]:
         """Constants and microbatch indexes, placed once on the groups that use them."""
@@ -435,9 +436,12 @@ class MpmdCompiled:
             owner = plan.input_owner[k]
             if owner in local:
                 fixed[k] = jax.device_put(c, self.sharding(owner, plan.input_avals[k]))
+        # `Note: replicas` in compiler/replicas.py: this replica's share of the loop.
+        offset = self.mesh.replica_idx * plan.replica_microbatches
         for k, g, m in plan.mb_inputs:
             if g in local:
-                fixed[k] = jax.device_put(np.int32(m), self.sharding(g, plan.input_avals[k]))
+                fixed[k] = jax.device_put(np.int32(offset + m),
+                                          self.sharding(g, plan.input_avals[k]))
         return fixed
 
     def _arg_for_owner(self, x: Any, k: int) -> Any:
@@ -515,7 +519,7 @@ class MpmdCompiled:
         call = (args, kwargs)
         leaves, tree = jax.tree.flatten(call)
         error = self._call_error(leaves, tree, call)
-        comm = None if self.mesh.is_local else self.mesh.comm
+        comm = None if self.mesh.is_local else self.mesh.job_comm  # every replica
         reports = agree.allgather_or_raise((STEP_CHECK, self._program_hash), error, comm,
                                            _call_failed, own="if_all",
                                            label="step call agreement")

@@ -17,6 +17,9 @@ Variables:
     leaves `sys.excepthook` alone.
   JAXPP_MPI_HEAP_TUNING: `1` (default): the MPI executor keeps large host buffers in the
     C heap (see `Note: large buffers` in mpi/heap.py); `0` leaves glibc's defaults.
+  JAXPP_MPI_REPLICA_BUCKET_MB: with pipeline replicas, the most MiB of loop outputs
+    (gradients) one all-reduce across replicas carries (default 16; `0`: one all-reduce
+    per task's results; `Note: replica reductions` in ir/passes.py).
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ class Options:
       auto_deadline_s: the automatic deadline...
       work_factor: ...or this many times the slowest local work before the collective
         (tracing, compiling), when longer.
+      replica_bucket_bytes: the largest all-reduce across pipeline replicas, in bytes.
     """
 
     step_timeout_s: float | None = None
@@ -63,6 +67,7 @@ class Options:
     deadline_s: float | None = None
     auto_deadline_s: float = 300.0
     work_factor: float = 5.0
+    replica_bucket_bytes: int = 16 << 20
 
 
 def _float(env: Mapping[str, str], name: str, default: float) -> float:
@@ -115,6 +120,7 @@ def parse_options(env: Mapping[str, str]) -> Options:
         watchdog_grace_s=_float(env, "JAXPP_MPI_WATCHDOG_GRACE", 5.0),
         abort_on_exception=_flag(env, "JAXPP_MPI_ABORT_ON_EXCEPTION"),
         heap_tuning=_flag(env, "JAXPP_MPI_HEAP_TUNING"),
+        replica_bucket_bytes=int(_float(env, "JAXPP_MPI_REPLICA_BUCKET_MB", 16.0) * (1 << 20)),
     )
 
 

@@ -23,6 +23,7 @@ def make_mpmd_mesh(
     devices: Sequence[Any] | None = None,
     *,
     axis_types: tuple[AxisType, ...] | None = None,
+    replica_axis_name: str | None = None,
 ) -> MpmdMesh:
     """Builds an `MpmdMesh` from the *global* mesh shape, like `jax.make_mesh`.
 
@@ -43,13 +44,18 @@ def make_mpmd_mesh(
         rank's, exactly one group's worth). Defaults to `jax.devices()` /
         `jax.local_devices()`.
       axis_types: per-axis types; default all `AxisType.Auto`.
+      replica_axis_name: an axis of `axis_shapes` that counts copies of the pipeline
+        (data parallelism across pipelines, Note: Pipeline replicas in mesh.py): with
+        it of size R, the job runs R x P ranks, world rank replica x P + mpmd_idx. The
+        group mesh has neither it nor the MPMD axis's extent.
 
     Returns:
       The `MpmdMesh`.
 
     Raises:
-      ValueError: malformed shape or names; the MPMD axis size differs from the number
-        of ranks; a rank's device count differs from one group's size. All are raised
+      ValueError: malformed shape or names; the MPMD axis size (times the replica
+        axis size) differs from the number of ranks; a rank's device count differs
+        from one group's size. All are raised
         on every rank alike: the first two depend only on arguments and the job size,
         and the device counts are allgathered over `comm` (in MPI mode this function
         is collective, like the `Dup` of the default communicator).
@@ -68,24 +74,42 @@ def make_mpmd_mesh(
         )
     if axis_types is None:
         axis_types = (AxisType.Auto,) * len(names)
+    num_replicas = 1
+    if replica_axis_name is not None:
+        if replica_axis_name not in names or replica_axis_name == mpmd_axis_name:
+            raise ValueError(
+                f"replica_axis_name {replica_axis_name!r} must be one of the axis names "
+                f"{names} other than the MPMD axis {mpmd_axis_name!r}")
+        r_pos = names.index(replica_axis_name)
+        num_replicas = shape[r_pos]
+        keep = [i for i in range(len(names)) if i != r_pos]
+        shape = tuple(shape[i] for i in keep)
+        names = tuple(names[i] for i in keep)
+        axis_types = tuple(axis_types[i] for i in keep)
     pos = names.index(mpmd_axis_name)
     num_groups = shape[pos]
     total = math.prod(shape)
     group_devices = total // num_groups
 
     world_size = mesh_module._mpi_world_size() if comm is None else int(comm.Get_size())
+    if num_replicas > 1 and num_groups * num_replicas != world_size:
+        raise ValueError(
+            f"mesh wants {num_replicas} replicas (axis {replica_axis_name!r}) of "
+            f"{num_groups} groups (axis {mpmd_axis_name!r}), {num_replicas * num_groups} "
+            f"ranks, but the job has {world_size}: run with mpirun -n "
+            f"{num_replicas * num_groups} (launch/jpprun -n {num_replicas * num_groups}).")
     if comm is None and world_size == 1 and num_groups > 1:
         available = list(jax.devices() if devices is None else devices)
         if len(available) >= total:
             mesh = jax.make_mesh(shape, names, axis_types, devices=available[:total])
-            return MpmdMesh(mesh, mpmd_axis_name)
+            return MpmdMesh(mesh, mpmd_axis_name, replica_axis_name=replica_axis_name)
         raise ValueError(
             f"mesh wants {num_groups} groups but the job has 1 rank: run with "
             f"mpirun -n {num_groups} (launch/jpprun -n {num_groups}), or, in one process, "
             f"provide {total} devices (this process has {len(available)}; e.g. "
             f"XLA_FLAGS=--xla_force_host_platform_device_count={total} on CPU)."
         )
-    if num_groups != world_size:
+    if num_groups * num_replicas != world_size:
         raise ValueError(
             f"mesh wants {num_groups} groups (axis {mpmd_axis_name!r}) but the job has "
             f"{world_size} ranks: run with mpirun -n {num_groups} "
@@ -111,4 +135,5 @@ def make_mpmd_mesh(
         )
     group_shape = tuple(1 if i == pos else s for i, s in enumerate(shape))
     mesh = jax.make_mesh(group_shape, names, axis_types, devices=local)
-    return MpmdMesh(mesh, mpmd_axis_name, comm)
+    return MpmdMesh(mesh, mpmd_axis_name, comm, num_replicas=num_replicas,
+                    replica_axis_name=replica_axis_name)

@@ -20,6 +20,18 @@ Note: Mesh modes.
   The mode depends only on the mesh, the communicator's size and the MPI world size,
   which every rank sees the same way, so mode errors are raised on every rank alike.
 
+Note: Pipeline replicas.
+  In MPI mode a job may run `num_replicas` (R) copies of a P-group pipeline on R x P
+  ranks: world rank = replica x P + mpmd_idx. The world communicator (`job_comm`) is
+  split in two, on every rank alike at construction: `comm`, the P ranks of this
+  rank's replica (its rank is the MPMD index, so every message path of one pipeline is
+  unchanged), and `replica_comm`, the R ranks that run this rank's group in every
+  replica (its rank is the replica index; gradients are combined over it, `Note:
+  replicas` in compiler/replicas.py). Decisions that every rank must take alike
+  (agreement, the per-call check, compile barriers, preemption, checkpoints) use
+  `job_comm`. With one replica `job_comm is comm` and `replica_comm` is None. Local
+  mode holds one replica.
+
 Note: Default communicator.
   In MPI mode without an explicit `comm`, the mesh takes `collectives.world_dup()` (a
   duplicate of COMM_WORLD) once, at construction. `Dup` is collective: build an
@@ -109,9 +121,14 @@ class MpmdMesh(GroupViews):
         this process); in MPI mode this rank's group mesh (MPMD axis of size 1, or
         absent).
       mpmd_axis_name: the axis that separates the groups.
-      comm: the communicator whose rank `r` is MPMD index `r` (MPI mode). Defaults to
-        `collectives.world_dup()` in MPI mode and to none in local mode. A communicator
-        of size 1 may be given with a local-mode mesh.
+      comm: the communicator whose rank `r` is MPMD index `r` (MPI mode), or, with
+        `num_replicas` > 1, whose rank `replica x mpmd_dim + mpmd_idx` runs group
+        `mpmd_idx` of pipeline replica `replica` (Note: Pipeline replicas). Defaults
+        to `collectives.world_dup()` in MPI mode and to none in local mode. A
+        communicator of size 1 may be given with a local-mode mesh.
+      num_replicas: copies of the pipeline in the MPI job (MPI mode only).
+      replica_axis_name: the name of the replica axis in `make_mpmd_mesh`'s global
+        shape, if it had one (for messages and specs; the group mesh lacks it).
 
     Raises:
       ValueError: the mesh and the process setting disagree (an MPMD axis of size > 1
@@ -121,7 +138,8 @@ class MpmdMesh(GroupViews):
 
     mesh_stack: ClassVar[list[MpmdMesh]] = []
 
-    def __init__(self, jax_mesh: Mesh, mpmd_axis_name: str, comm: Comm | None = None):
+    def __init__(self, jax_mesh: Mesh, mpmd_axis_name: str, comm: Comm | None = None, *,
+                 num_replicas: int = 1, replica_axis_name: str | None = None):
         if not isinstance(jax_mesh, Mesh):
             raise TypeError(f"jax_mesh must be a jax.sharding.Mesh, got {type(jax_mesh)}")
         if not isinstance(mpmd_axis_name, str):
@@ -132,8 +150,21 @@ class MpmdMesh(GroupViews):
         comm_size = None if comm is None else int(comm.Get_size())
         world_size = _mpi_world_size() if comm is None else comm_size
         self._setup(jax_mesh, mpmd_axis_name)
+        if (not isinstance(num_replicas, (int, np.integer)) or isinstance(num_replicas, bool)
+                or num_replicas < 1):
+            raise ValueError(f"num_replicas must be a positive int, got {num_replicas!r}")
+        self._num_replicas = int(num_replicas)
+        self._replica_axis_name = replica_axis_name
+        self._replica_idx = 0
+        self._replica_comm = None
 
         if axis_size > 1:
+            if num_replicas > 1:
+                raise ValueError(
+                    f"pipeline replicas (num_replicas={num_replicas}) need MPI mode: one "
+                    "rank per (replica, group), e.g. make_mpmd_mesh((R, P, ...), "
+                    "('replica', 'stage', ...), 'stage', replica_axis_name='replica') "
+                    "under mpirun -n R*P; this mesh puts every group in one process.")
             self._init_local(axis_size, foreign, world_size, comm)
         else:
             if not has_axis and comm is None and world_size == 1:
@@ -205,6 +236,8 @@ class MpmdMesh(GroupViews):
             comm = _default_comm()
         _adopt(comm)
         self._is_local = False
+        self._job_comm = comm
+        comm = self._split_replicas(comm)
         self._comm = comm
         self._mpmd_dim = int(comm.Get_size())
         self._my_rank = self._my_idx = int(comm.Get_rank())
@@ -218,11 +251,63 @@ class MpmdMesh(GroupViews):
             own = self._jax_mesh
         self._group_meshes = (own,)
 
+    def _split_replicas(self, job_comm: Comm) -> Comm:
+        """The pipeline communicator of this rank's replica; sets the replica fields
+        (Note: Pipeline replicas). Collective over `job_comm` when `num_replicas` > 1."""
+        r = self._num_replicas
+        if r == 1:
+            return job_comm
+        size, rank = int(job_comm.Get_size()), int(job_comm.Get_rank())
+        if size % r:
+            raise ValueError(
+                f"num_replicas={r} does not divide the job's {size} ranks: run R x P ranks "
+                f"(mpirun -n {r}*P) for {r} replicas of a P-group pipeline")
+        p = size // r
+        self._replica_idx = rank // p
+        pipeline = job_comm.Split(self._replica_idx, rank % p)
+        self._replica_comm = job_comm.Split(rank % p, self._replica_idx)
+        return pipeline
+
+    # -- replicas -----------------------------------------------------------------
+
+    @property
+    def num_replicas(self) -> int:
+        """Copies of the pipeline in the job (Note: Pipeline replicas); 1 in local mode."""
+        return self._num_replicas
+
+    @property
+    def replica_idx(self) -> int:
+        """This rank's pipeline replica (0 with one replica, and in local mode)."""
+        return self._replica_idx
+
+    @property
+    def replica_axis_name(self) -> str | None:
+        """The replica axis's name in the global mesh shape, if it was given one."""
+        return self._replica_axis_name
+
+    @property
+    def replica_comm(self) -> Comm | None:
+        """The ranks running this rank's group in every replica (rank = replica index);
+        None with one replica."""
+        return self._replica_comm
+
+    @property
+    def job_comm(self) -> Comm | None:
+        """Every rank of the job (every replica's pipeline); `comm` with one replica.
+
+        Raises:
+          ValueError: as `comm`, for an MPI-mode submesh without a communicator.
+        """
+        if self._num_replicas == 1:
+            return self.comm
+        return self._job_comm
+
     # -- identity -----------------------------------------------------------------
 
     def _key(self) -> tuple:
         return (self._is_local, self._mpmd_axis_name, self._jax_mesh, self._mpmd_dim,
-                self._my_idx, self._my_rank, self._ranks)
+                self._my_idx, self._my_rank, self._ranks, self._num_replicas,
+                self._replica_idx)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, MpmdMesh) and self._key() == other._key()
@@ -237,6 +322,8 @@ class MpmdMesh(GroupViews):
             mode = f"mpi, rank={self._my_rank}"
             if self._ranks != tuple(range(self._mpmd_dim)):
                 mode += f", groups on ranks {list(self._ranks)}"
+            if self._num_replicas > 1:
+                mode += f", replica {self._replica_idx} of {self._num_replicas}"
         group = ", ".join(f"{n!r}: {s}" for n, s in self.group_shape.items())
         return (f"MpmdMesh({mode}, {self._mpmd_axis_name!r}: {self._mpmd_dim}, "
                 f"group={{{group}}})")
@@ -437,11 +524,15 @@ class MpmdMesh(GroupViews):
             devices = np.take(self._jax_mesh.devices, idxs, axis=self._axis_pos)
             sub._setup(Mesh(devices, names, axis_types=tuple(self._jax_mesh.axis_types)),
                        self._mpmd_axis_name)
+            sub._num_replicas, sub._replica_idx, sub._replica_comm = 1, 0, None
+            sub._replica_axis_name = self._replica_axis_name
             sub._init_local(len(idxs), [], 1, self._comm)
             return sub
         mine = self._my_idx in idxs
         for field in ("_mpmd_axis_name", "_mpmd_axis", "_mpmd_axis_type",
-                      "_group_axis_names", "_group_axis_types", "_group_shape"):
+                      "_group_axis_names", "_group_axis_types", "_group_shape",
+                      "_num_replicas", "_replica_axis_name", "_replica_idx",
+                      "_replica_comm", "_job_comm"):
             setattr(sub, field, getattr(self, field))
         sub._jax_mesh = self.my_mpmd_group_mesh if mine else None
         sub._axis_pos = self._mpmd_axis

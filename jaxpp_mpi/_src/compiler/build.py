@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import jax
 from jax.extend import core as jex_core
 
+from jaxpp_mpi._src.compiler import replicas
 from jaxpp_mpi._src.compiler.homes import LoopHomes, assign_loop_homes, assign_outer_homes
 from jaxpp_mpi._src.compiler.loop_tasks import (
     Exe,
@@ -79,6 +80,11 @@ class StepPlan:
         its key data: `Note: keys as key data`).
       key_outputs: per flat step output, the PRNG implementation of a key result
         (the program returns its key data), else None.
+      num_replicas: pipeline replicas sharing the loop (`Note: replicas` in
+        compiler/replicas.py); replica r adds `r * replica_microbatches` to each
+        `mb_inputs` microbatch.
+      replica_microbatches: microbatches each replica runs (the loop's count with one
+        replica).
     """
 
     program: Program
@@ -98,6 +104,8 @@ class StepPlan:
     key_args: tuple[bool, ...] = ()
     key_outputs: tuple[str | None, ...] = ()
     output_weak: tuple[bool, ...] = ()
+    num_replicas: int = 1
+    replica_microbatches: int = 0
 
     @property
     def num_groups(self) -> int:
@@ -381,6 +389,8 @@ def build_step(
     donate: Sequence[bool] | None = None,
     what: str = "the step",
     mesh: MpmdMesh | None = None,
+    num_replicas: int = 1,
+    replica_bucket_bytes: int = 16 << 20,
 ) -> StepPlan:
     """Compiles `fun(*args)` into a StepPlan for `num_groups` MPMD groups.
 
@@ -395,6 +405,8 @@ def build_step(
       donate: per flat argument, whether its buffer may be reused.
       what: the step's name for messages.
       mesh: the mesh: the step is traced under it (see `trace_step`).
+      num_replicas: pipeline replicas sharing the microbatches (`Note: replicas`).
+      replica_bucket_bytes: the largest all-reduce across replicas.
 
     Returns:
       The StepPlan.
@@ -420,10 +432,18 @@ def build_step(
     options = _options(in_specs, out_specs, donate, num_args, len(jaxpr.outvars))
 
     loop_outs, dropped = _loop_outputs(loop, names, loop_homes, n)
-    lt = build_loop_tasks(split, loop_homes, schedule, n, params["ops"],
-                          params["body"].out_avals,
-                          lambda j, g: names.value(loop.invars[j], g), loop_outs,
-                          defer=mesh is not None and math.prod(mesh.group_shape.values()) > 1)
+    n_local = replicas.local_microbatches(n, num_replicas)
+    try:
+        lt = build_loop_tasks(
+            split, loop_homes, schedule, n_local, params["ops"], params["body"].out_avals,
+            lambda j, g: names.value(loop.invars[j], g), loop_outs,
+            defer=mesh is not None and math.prod(mesh.group_shape.values()) > 1,
+            state_length=n)
+    except CompileError as e:
+        if num_replicas == 1:
+            raise
+        raise CompileError(f"{e} (each of the {num_replicas} pipeline replicas runs "
+                           f"{n_local} of the loop's {n} microbatches)") from e
     pre, post = outer_segments(jaxpr, loop_index, homes, names, num_groups)
     input_avals, avals = _value_avals(jaxpr, num_consts, options, names, lt.avals, dropped)
     outputs = _step_outputs(jaxpr, names, homes.output_group, options.out_specs, avals)
@@ -450,6 +470,10 @@ def build_step(
         program, buffer_names = build_program_with_names(graph)
     except ValueError as e:
         raise CompileError(f"{what}: internal error while building the program: {e}") from e
+    if num_replicas > 1:
+        program = replicas.add_reductions(program, buffer_names, loop_outs,
+                                          loop_homes.out_groups, params["ops"],
+                                          replica_bucket_bytes)
     return StepPlan(
         program=program,
         buffer_names=buffer_names,
@@ -468,4 +492,6 @@ def build_step(
         key_args=tuple(is_key(v.aval.dtype) for v in jaxpr.invars[num_consts:]),
         key_outputs=tuple(key_outputs),
         output_weak=tuple(bool(getattr(v.aval, "weak_type", False)) for v in jaxpr.outvars),
+        num_replicas=num_replicas,
+        replica_microbatches=n_local,
     )

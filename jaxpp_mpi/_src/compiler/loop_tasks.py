@@ -410,6 +410,7 @@ def build_loop_tasks(
     inv_value: Callable[[int, int], Value],
     out_values: Sequence[Value],
     defer: bool = False,
+    state_length: int | None = None,
 ) -> LoopTasks:
     """Builds each group's loop tasks (see `Note: loop tasks`).
 
@@ -425,6 +426,9 @@ def build_loop_tasks(
       defer: give the last microbatch of a task with `Add` states its own variant
         (`_last`), so their reduction can be deferred to it (`Note: deferred
         reduction`; only worth it where a group has several devices).
+      state_length: the microbatch count of the whole loop, when this pipeline runs
+        only `num_microbatches` of them (pipeline replicas, `Note: replicas` in
+        compiler/replicas.py): a `Concat` state has that length. Default n.
 
     Returns:
       The LoopTasks.
@@ -434,6 +438,7 @@ def build_loop_tasks(
         task of the split body exactly once on the stage's group.
     """
     n = num_microbatches
+    length = n if state_length is None else state_length
     num_groups = 1 + max(homes.stage_group)
     order = _schedule_order(split, schedule, n, homes.stage_group)
     by_key = {t.key: t for t in split.tasks}
@@ -445,7 +450,7 @@ def build_loop_tasks(
     for name, aval in split.value_avals.items():
         for m in range(n):
             result.avals[f"{name}@{m}"] = aval_of(aval)
-    acc_avals = [aval_of(op.result_aval(n, a)) for op, a in zip(ops, out_avals)]
+    acc_avals = [aval_of(op.result_aval(length, a)) for op, a in zip(ops, out_avals)]
 
     def mb_value(m: int, g: int) -> Value:
         return result.mb_values.setdefault((m, g), f"mb{m}g{g}")
@@ -497,7 +502,8 @@ def build_loop_tasks(
                 donate=tuple(states_in),
             ))
             if exe not in result.exes[g]:
-                fn = _task_fn(task, export, sources, k_ops, n, first or not ks, with_index)
+                fn = _task_fn(task, export, sources, k_ops, length, first or not ks,
+                              with_index)
                 donate = tuple(range(len(ins), len(ins) + len(states_in)))
                 state_ins = tuple(None if first else len(ins) + j for j in adds)
                 state_outs = tuple(None if last else len(export) + j for j in adds)

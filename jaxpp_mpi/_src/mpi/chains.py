@@ -22,6 +22,10 @@ Note: message chains.
   dispatcher keeps its latest `order` in a `Chain`; every live Chain is waited for at
   exit, before MPI is finalized (JAX's own exit hook waits only for effect tokens).
 
+  An "allreduce" op (`allreduce_fn`) runs mpi4jax's `mpi_allreduce_ffi` in the same way,
+  over the communicator of its chain (the replica communicator, Note: Pipeline
+  replicas in mesh.py), ordered by the same `order` array as the messages.
+
   Relies on mpi4jax internals (the FFI target names and attributes, the communicator
   and datatype handles) as of mpi4jax 0.9; the MPI tests exercise every path.
 """
@@ -34,6 +38,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Primitive
 from jax.extend.mlir.dialects import stablehlo as hlo
@@ -45,13 +50,16 @@ from mpi4jax._src.decorators import translation_rule_cpu, translation_rule_cuda
 from mpi4jax._src.jax_compat import abstract_token
 from mpi4jax._src.utils import to_dtype_handle, to_mpi_handle
 from mpi4jax._src.xla_bridge import MPI_STATUS_IGNORE_ADDR
+from mpi4py import MPI
 
 from jaxpp_mpi._src.mpi.wire import from_wire, to_wire, wire_dtype
 
-__all__ = ["Chain", "Op", "chain", "chain_fn", "mpi_chain_p", "quiesce", "wait_for_chains"]
+__all__ = ["Chain", "Op", "allreduce_fn", "chain", "chain_fn", "mpi_chain_p", "quiesce",
+           "wait_for_chains"]
 
 # ("send", peer, tag) | ("recv", peer, tag, shape, dtype)
-# | ("sendrecv", peer, send_tag, recv_tag, shape, dtype); dtypes are MPI-native names.
+# | ("sendrecv", peer, send_tag, recv_tag, shape, dtype)
+# | ("allreduce", 0, mpi_op_name, shape, dtype); dtypes are MPI-native names.
 Op = tuple
 
 mpi_chain_p = Primitive("jaxpp_mpi_chain")
@@ -77,7 +85,7 @@ def chain(order: jax.Array, sends: Sequence[jax.Array], ops: tuple[Op, ...],
 
 def _received(ops):
     return [jax.core.ShapedArray(op[-2], np.dtype(op[-1])) for op in ops
-            if op[0] in ("recv", "sendrecv")]
+            if op[0] in ("recv", "sendrecv", "allreduce")]
 
 
 @mpi_chain_p.def_abstract_eval
@@ -111,6 +119,16 @@ def _mpi_chain_lowering(ctx, order, *sends, ops, comm):
                 nitems=np.int64(np.prod(aval.shape, dtype=np.int64)), source=peer,
                 tag=np.int64(op[2]), comm=comm, dtype=np.int64(to_dtype_handle(aval.dtype)),
                 status=np.int64(MPI_STATUS_IGNORE_ADDR))
+            received.append(y)
+        elif kind == "allreduce":
+            x, aval = next(send_avals)
+            r_aval = next(recv_avals)
+            y, token = _ffi(
+                ctx, "mpi_allreduce_ffi", (x, token), (aval, abstract_token),
+                (r_aval, abstract_token),
+                nitems=np.int64(np.prod(aval.shape, dtype=np.int64)),
+                op=np.int64(to_mpi_handle(getattr(MPI, op[2]))), comm=comm,
+                dtype=np.int64(to_dtype_handle(aval.dtype)))
             received.append(y)
         elif kind == "sendrecv":
             x, s_aval = next(send_avals)
@@ -185,6 +203,69 @@ def chain_fn(ops: tuple[Op, ...], comm: Any) -> Any:
     def fn(order, *sends):
         order, got = chain(order, [to_wire(x) for x in sends], wire_ops, comm)
         return (order, *[from_wire(y, d) for y, d in zip(got, recv_dtypes)])
+
+    return fn
+
+
+_MPI_OPS = {"sum": "SUM", "max": "MAX", "bor": "BOR"}
+
+
+def _reduced_dtype(op: str, dtype: np.dtype) -> np.dtype:
+    """The dtype a value of `dtype` is combined in: its bit pattern's unsigned integer
+    for a bitwise OR, float32 for arithmetic on dtypes MPI lacks (`Note: Wire dtypes`)."""
+    if op == "bor":
+        return np.dtype(f"uint{8 * dtype.itemsize}")
+    return dtype if wire_dtype(dtype) == dtype else np.dtype(np.float32)
+
+
+def _to_reduced(x: jax.Array, dtype: np.dtype) -> jax.Array:
+    if x.dtype == dtype:
+        return x
+    if x.dtype == np.bool_ or dtype == np.float32:
+        return x.astype(dtype)
+    return jax.lax.bitcast_convert_type(x, dtype)
+
+
+def _from_reduced(y: jax.Array, dtype: np.dtype) -> jax.Array:
+    if y.dtype == dtype:
+        return y
+    if dtype == np.bool_ or y.dtype == np.float32:
+        return y.astype(dtype)
+    return jax.lax.bitcast_convert_type(y, dtype)
+
+
+def allreduce_fn(op: str, avals: tuple[tuple[tuple[int, ...], str], ...], comm: Any) -> Any:
+    """A traceable `fn(order, *xs) -> (order, *reduced)`: each x combined by `op` ("sum",
+    "max", "bor") over `comm`, all of one combined dtype in one MPI call (a bucket).
+
+    Args:
+      op: the reduction (`ir.instructions.REDUCE_OPS`).
+      avals: (shape, dtype name) of each x.
+      comm: the communicator (the replica communicator).
+
+    Returns:
+      The function, to jit once per bucket and device.
+    """
+    dtypes = [np.dtype(d) for _, d in avals]
+    reduced = [_reduced_dtype(op, d) for d in dtypes]
+    by_dtype: dict[np.dtype, list[int]] = {}
+    for i, d in enumerate(reduced):
+        by_dtype.setdefault(d, []).append(i)
+    mpi_op = _MPI_OPS[op]
+
+    def fn(order, *xs):
+        out: list[Any] = [None] * len(xs)
+        for d, idxs in by_dtype.items():
+            flat = jnp.concatenate([jnp.ravel(_to_reduced(xs[i], d)) for i in idxs])
+            order, (y,) = chain(order, [flat], (("allreduce", 0, mpi_op, flat.shape, d.name),),
+                                comm)
+            start = 0
+            for i in idxs:
+                size = int(np.prod(avals[i][0], dtype=np.int64))
+                part = y[start:start + size].reshape(avals[i][0])
+                out[i] = _from_reduced(part, dtypes[i])
+                start += size
+        return (order, *out)
 
     return fn
 

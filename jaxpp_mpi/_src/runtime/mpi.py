@@ -18,6 +18,11 @@ Note: messages.
   rank sending first and the higher receiving first, so the exchange stays
   deadlock-free.
 
+  An AllReduce (pipeline replicas, `Note: replicas` in compiler/replicas.py) runs over
+  the replica communicator, through the same order chain: per device, the distinct
+  shards that device holds first of the bucket's buffers travel as one flat buffer
+  per combined dtype (every replica has the same layouts, so shard j meets shard j).
+
   Nothing blocks Python: each step dispatches executables and chains asynchronously;
   the order chain keeps this rank's MPI calls in program order, which the verifier
   proved deadlock-free under rendezvous semantics.
@@ -35,7 +40,17 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 
 from jaxpp_mpi._src import agree, config
 from jaxpp_mpi._src.config import Options
-from jaxpp_mpi._src.ir.program import Aval, Free, GroupProgram, Program, Recv, Run, Send, SendRecv
+from jaxpp_mpi._src.ir.program import (
+    AllReduce,
+    Aval,
+    Free,
+    GroupProgram,
+    Program,
+    Recv,
+    Run,
+    Send,
+    SendRecv,
+)
 from jaxpp_mpi._src.mpi import chains, collectives
 from jaxpp_mpi._src.mpi.heap import tune_heap
 from jaxpp_mpi._src.runtime.executor import (
@@ -57,6 +72,8 @@ from jaxpp_mpi._src.runtime.failure import Watchdog, describe_task, install_abor
 from jaxpp_mpi._src.timeline.timing import active_task_times
 
 __all__ = ["MpiExecutor", "ShardPlan", "adopt_comm"]
+
+_MPI_INSTRS = (Send, Recv, SendRecv, AllReduce)  # what the order chain carries
 
 
 class ShardPlan:
@@ -120,9 +137,10 @@ class _Messenger:
     distinct (kind, shapes, dtypes, device, peer, tags), each `fn(order, *x) -> (order,
     *received)` on one device."""
 
-    def __init__(self, comm: Any, group_size: int):
+    def __init__(self, comm: Any, group_size: int, replica_comm: Any = None):
         self.comm = comm
         self.n = group_size
+        self.replica_comm = replica_comm
 
     def _in_sharding(self, plan: ShardPlan, device):
         return plan.sharding if plan.single else SingleDeviceSharding(device)
@@ -159,6 +177,22 @@ class _Messenger:
                                 (self._in_sharding(s_plan, device),),
                                 (self._in_sharding(r_plan, device),))
 
+    def allreduce(self, op: str, pieces: tuple[tuple[ShardPlan, int], ...], device):
+        """One bucket's chain on `device`: piece j of each (plan, j) combined by `op`
+        over the replica communicator."""
+        shardings = tuple(self._in_sharding(plan, device) for plan, _ in pieces)
+        avals = tuple((plan.pieces[j][1], plan.dtype.name) for plan, j in pieces)
+        return self._reducer(op, avals, device, shardings)
+
+    @functools.cache  # noqa: B019 - lives as long as the executor
+    def _reducer(self, op: str, avals: tuple, device, shardings: tuple):
+        order_sh = SingleDeviceSharding(device)
+        order = jax.ShapeDtypeStruct((), np.int32, sharding=order_sh)
+        structs = [jax.ShapeDtypeStruct(shape, dtype, sharding=sh)
+                   for (shape, dtype), sh in zip(avals, shardings)]
+        return _compiled(chains.allreduce_fn(op, avals, self.replica_comm), [order, *structs],
+                         (order_sh, *shardings), (order_sh, *shardings))
+
 
 class MpiExecutor:
     """Runs this rank's group of a Program; messages go over MPI (see `Note: messages`).
@@ -170,6 +204,8 @@ class MpiExecutor:
       executables: group `mpmd_idx`'s executables by name (as for the local executor).
       sharding: `sharding(aval)` is the sharding of a value of this group.
       comm: the communicator (rank r runs group r).
+      replica_comm: the communicator of this group's replicas (`AllReduce`), or None
+        with one replica.
 
     Raises:
       ValueError: if a wire tag would exceed the communicator's MPI_TAG_UB.
@@ -183,6 +219,7 @@ class MpiExecutor:
         sharding: Callable[[Aval], NamedSharding],
         comm: Any,
         options: Options | None = None,
+        replica_comm: Any = None,
     ):
         options = options or config.options()
         if options.heap_tuning:
@@ -194,10 +231,11 @@ class MpiExecutor:
         self.layout = layout = BufferLayout([gp])
         group_size = sharding(Aval((), "int32")).mesh.devices.size
         self._check_tags(gp, group_size, comm)
-        self._messenger = _Messenger(comm, group_size)
+        self._messenger = _Messenger(comm, group_size, replica_comm)
         self._chain = chains.Chain(sharding(Aval((), "int32")).mesh.devices.flat[0])
         self._plans: dict[Aval, ShardPlan] = {}
         self._sharding = sharding
+        self._replica_comm = replica_comm
         tables: list[Mapping[str, Executable]] = [{} for _ in range(program.num_groups)]
         tables[mpmd_idx] = executables
         binders: dict[type, StepBinder] = {
@@ -206,12 +244,15 @@ class MpiExecutor:
             Send: self._bind_send,
             Recv: self._bind_recv,
             SendRecv: self._bind_sendrecv,
+            AllReduce: self._bind_allreduce,
         }
         self._steps = bind_steps(((mpmd_idx, i) for i in gp.instrs), binders)
         self._watchdog = None
-        self._has_messages = any(isinstance(i, (Send, Recv, SendRecv)) for i in gp.instrs)
+        self._has_messages = any(isinstance(i, _MPI_INSTRS) for i in gp.instrs)
         if options.watchdog:
-            self._watchdog = Watchdog(comm.Get_rank(), options, functools.partial(
+            rank = comm.Get_rank() if replica_comm is None else (
+                replica_comm.Get_rank() * comm.Get_size() + comm.Get_rank())
+            self._watchdog = Watchdog(rank, options, functools.partial(
                 describe_instr, gp), len(gp.instrs), comm.Abort)
             self._steps = self._marked(self._steps, self._watchdog)
         groups = program.groups
@@ -314,6 +355,36 @@ class MpiExecutor:
                 "send_bytes": s_plan.nbytes, "recv_bytes": r_plan.nbytes}
         return step, timed_message(step, group, "sendrecv", args, chain.wait)
 
+    def _bind_allreduce(self, group: int, instr: AllReduce) -> tuple[Step, Step]:
+        comm = self._replica_comm
+        slots = [self.layout.slot(group, b) for b in instr.bufs]
+        if comm is None:  # one replica: nothing to combine
+            return (lambda table, times: None), (lambda table, times: None)
+        plans = [self._plan(self.group_program.aval(b)) for b in instr.bufs]
+        by_device: dict[Any, list[tuple[int, int]]] = {}
+        for i, plan in enumerate(plans):
+            for j, (device, _, _) in enumerate(plan.pieces):
+                by_device.setdefault(device, []).append((i, j))
+        m, chain = self._messenger, self._chain
+        calls = [(device, pairs, m.allreduce(instr.op, tuple((plans[i], j) for i, j in pairs),
+                                            device))
+                 for device, pairs in by_device.items()]
+
+        def step(table: Table, times: Any) -> None:
+            shards = [plan.shards_of(table[slot]) for plan, slot in zip(plans, slots)]
+            got: list[list[Any]] = [[None] * len(plan.pieces) for plan in plans]
+            for device, pairs, fn in calls:
+                chain.order, *ys = fn(chain.on(device), *(shards[i][j] for i, j in pairs))
+                for (i, j), y in zip(pairs, ys):
+                    got[i][j] = y
+            for plan, slot, pieces in zip(plans, slots, got):
+                table[slot] = plan.assemble(pieces)
+
+        args = {"bufs": list(instr.bufs), "op": instr.op,
+                "bytes": sum(plan.nbytes for plan in plans),
+                "replicas": int(comm.Get_size())}
+        return step, timed_message(step, group, "allreduce", args, chain.wait)
+
     def run_replicas(self, step_inputs) -> list[dict[int, jax.Array]]:
         """Runs one step of this rank's program; per flat output, {group: array} for the
         outputs this group holds (empty dicts for the others)."""
@@ -351,7 +422,7 @@ class MpiExecutor:
         pairs = []
         for k, (instr, untimed, timed) in enumerate(
                 zip(self.group_program.instrs, steps.untimed, steps.timed)):
-            if isinstance(instr, (Send, Recv, SendRecv)):
+            if isinstance(instr, _MPI_INSTRS):
                 untimed, timed = mark(k, untimed), mark(k, timed)
             pairs.append((untimed, timed))
         return StepLists(pairs)
@@ -383,6 +454,10 @@ def describe_instr(gp: GroupProgram, k: int) -> str:
         what = (f"SendRecv(%{instr.send_buf} to rank {instr.dst}, tag {instr.send_tag}; "
                 f"%{instr.recv_buf} from rank {instr.src}, tag {instr.recv_tag})")
         task = consumer(instr.recv_buf) or producer(instr.send_buf)
+    elif isinstance(instr, AllReduce):
+        what = (f"AllReduce({', '.join(f'%{b}' for b in instr.bufs)} op={instr.op} across "
+                "the pipeline replicas)")
+        task = producer(instr.bufs[0])
     else:
         return str(instr)
     return f"{what} of {describe_task(task)}" if task else what

@@ -1,0 +1,90 @@
+"""Pipeline replicas: R copies of a P-group pipeline on R x P ranks match jax.jit on the
+global batch (Note: replicas in compiler/replicas.py).
+
+Runs under `launch/jpprun -n 4` (2 replicas x 2 groups, and 1 replica x 4 groups with the
+same script); with 2 devices per rank each group mesh has a 'data' axis as well.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from models import SCHEDULES, assert_close_to_reference, make_step, mlp, run_steps, schedule
+from mpi4py import MPI
+
+import jaxpp_mpi
+from jaxpp_mpi._src.ir.program import AllReduce
+
+WORLD = MPI.COMM_WORLD
+RANK, SIZE = WORLD.rank, WORLD.size
+K = jax.local_device_count()
+
+
+def _mesh(replicas: int):
+    return jaxpp_mpi.make_mpmd_mesh((replicas, SIZE // replicas, K),
+                                    ("replica", "stage", "data"), "stage",
+                                    replica_axis_name="replica")
+
+
+@pytest.fixture(scope="module")
+def meshes():
+    # Building a mesh is collective: every rank builds both, in the same order.
+    return {1: _mesh(1), 2: _mesh(2)}
+
+
+def _everywhere(ok: bool, detail: str = "") -> None:
+    results = WORLD.allgather((ok, detail))
+    assert all(r[0] for r in results), results
+
+
+@pytest.mark.mpi(min_size=4)
+@pytest.mark.parametrize("sched_name", SCHEDULES)
+def test_two_replicas_match_jit_every_schedule(meshes, sched_name):
+    mesh = meshes[2]
+    sched = schedule(sched_name, mesh.mpmd_dim)
+    params, batch, loss_fn = mlp(sched.num_stages, 8)
+    step, opt = make_step(loss_fn, sched)
+    opt_state = opt.init(params)
+    reference = run_steps(jax.jit(step), opt_state, params, batch)
+    fn = jaxpp_mpi.mpmd_jit_with_loop(step, mpmd_mesh=mesh)
+    pipelined = run_steps(fn, opt_state, params, batch)
+    compared = assert_close_to_reference(reference, pipelined)
+    program = fn.compile(opt_state, params, batch).program(mesh.my_mpmd_axis_index)
+    reductions = [i for i in program.instrs if isinstance(i, AllReduce)]
+    _everywhere(compared > 0 and bool(reductions),
+                f"rank {RANK}: {compared} outputs, {len(reductions)} all-reduces")
+
+
+@pytest.mark.mpi(min_size=4)
+def test_one_replica_same_script(meshes):
+    mesh = meshes[1]
+    sched = schedule("1f1b", mesh.mpmd_dim)
+    params, batch, loss_fn = mlp(sched.num_stages, 2 * mesh.mpmd_dim)
+    step, opt = make_step(loss_fn, sched)
+    opt_state = opt.init(params)
+    reference = run_steps(jax.jit(step), opt_state, params, batch)
+    pipelined = run_steps(jaxpp_mpi.mpmd_jit_with_loop(step, mpmd_mesh=mesh),
+                          opt_state, params, batch)
+    _everywhere(assert_close_to_reference(reference, pipelined) > 0)
+
+
+@pytest.mark.mpi(min_size=4)
+def test_replica_mesh_layout(meshes):
+    mesh = meshes[2]
+    p = SIZE // 2
+    assert (mesh.replica_idx, mesh.my_mpmd_axis_index) == divmod(RANK, p)
+    assert mesh.comm.Get_size() == p and mesh.replica_comm.Get_size() == 2
+    assert mesh.job_comm.Get_size() == SIZE
+    assert meshes[1].replica_comm is None and meshes[1].job_comm is meshes[1].comm
+
+
+@pytest.mark.mpi(min_size=4)
+def test_microbatches_not_divisible_by_replicas_rejected_on_every_rank(meshes):
+    mesh = meshes[2]
+    sched = schedule("1f1b", mesh.mpmd_dim)
+    params, batch, loss_fn = mlp(sched.num_stages, 3)
+    step, opt = make_step(loss_fn, sched)
+    with pytest.raises(jaxpp_mpi.CompileError, match="multiple of 2 microbatches"):
+        jaxpp_mpi.mpmd_jit_with_loop(step, mpmd_mesh=mesh)(opt.init(params), params, batch)
+    np.testing.assert_equal(WORLD.allgather(1), [1] * SIZE)
