@@ -10,7 +10,16 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from models import SCHEDULES, assert_close_to_reference, make_step, mlp, run_steps, schedule
+from jax.sharding import AxisType
+from models import (
+    SCHEDULES,
+    assert_close_to_reference,
+    make_step,
+    megatron_specs,
+    mlp,
+    run_steps,
+    schedule,
+)
 from mpi4py import MPI
 
 import jaxpp_mpi
@@ -29,8 +38,10 @@ def _mesh(replicas: int):
 
 @pytest.fixture(scope="module")
 def meshes():
-    # Building a mesh is collective: every rank builds both, in the same order.
-    return {1: _mesh(1), 2: _mesh(2)}
+    # Building a mesh is collective: every rank builds them, in the same order.
+    return {1: _mesh(1), 2: _mesh(2), "model": jaxpp_mpi.make_mpmd_mesh(
+        (2, SIZE // 2, 1, K), ("replica", "stage", "data", "model"), "stage",
+        replica_axis_name="replica", axis_types=(AxisType.Auto,) * 4)}
 
 
 def _everywhere(ok: bool, detail: str = "") -> None:
@@ -88,3 +99,22 @@ def test_microbatches_not_divisible_by_replicas_rejected_on_every_rank(meshes):
     with pytest.raises(jaxpp_mpi.CompileError, match="multiple of 2 microbatches"):
         jaxpp_mpi.mpmd_jit_with_loop(step, mpmd_mesh=mesh)(opt.init(params), params, batch)
     np.testing.assert_equal(WORLD.allgather(1), [1] * SIZE)
+
+
+@pytest.mark.mpi(min_size=4)
+@pytest.mark.parametrize("sched_name", ["1f1b", "zerobubble"])
+def test_sharded_replicas_match_jit(meshes, sched_name):
+    """Weights split Megatron-style over the group's "model" axis (K devices per rank):
+    the replicas' AllReduce moves each value shard by shard."""
+    mesh = meshes["model"]
+    sched = schedule(sched_name, mesh.mpmd_dim)
+    params, batch, loss_fn = mlp(sched.num_stages, 4, width=8 * K, rows=2 * K)
+    params = jax.tree.map(lambda x: jax.numpy.asarray(np.asarray(x)), params)
+    step, opt = make_step(loss_fn, sched)
+    pspecs, bspecs = megatron_specs("mlp", params, batch)
+    reference = run_steps(jax.jit(step), opt.init(params), params, batch)
+    fn = jaxpp_mpi.mpmd_jit_with_loop(step, mpmd_mesh=mesh, in_shardings=(None, pspecs, bspecs),
+                                      donate_argnums=(0, 1))
+    got = run_steps(fn, opt.init(params), params, batch)
+    compared = assert_close_to_reference(reference, got)
+    _everywhere(compared > 0 and len(fn._cache) == 1, f"rank {RANK}: {compared} compared")

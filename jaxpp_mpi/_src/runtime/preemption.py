@@ -43,14 +43,15 @@ class PreemptionGuard:
                   break
 
     Args:
-      mpmd_mesh: the job's `MpmdMesh` (MPI mode: its communicator decides; local mode:
-        this process alone).
+      mpmd_mesh: the job's `MpmdMesh` (MPI mode: every rank of the job decides, every
+        pipeline replica included, so all stop after the same step; local mode: this
+        process alone).
       signals: the signals meaning "stop after this step" (default SIGTERM and SIGUSR1).
     """
 
     def __init__(self, mpmd_mesh: Any,
                  signals: Sequence[signal.Signals] = (signal.SIGTERM, signal.SIGUSR1)):
-        self._comm = None if mpmd_mesh.is_local else mpmd_mesh.comm
+        self._comm = None if mpmd_mesh.is_local else mpmd_mesh.job_comm
         self._signals = tuple(signals)
         self._previous: dict[signal.Signals, Any] = {}
         self.received: signal.Signals | None = None  # the first signal caught here
