@@ -35,6 +35,7 @@ from typing import Any
 
 import jax
 from jax.extend import core as jex_core
+from jax.sharding import PartitionSpec
 
 from jaxpp_mpi._src import agree, config
 from jaxpp_mpi._src.arguments import (
@@ -50,7 +51,9 @@ from jaxpp_mpi._src.arguments import (
     split_call,
     static_lines,
 )
+from jaxpp_mpi._src.array import without_axis
 from jaxpp_mpi._src.compiled import MpmdCompiled, is_step_check
+from jaxpp_mpi._src.compiler import replicas
 from jaxpp_mpi._src.compiler.build import StepPlan, build_step
 from jaxpp_mpi._src.compiler.fingerprint import executable_texts
 from jaxpp_mpi._src.errors import CompileError
@@ -197,9 +200,32 @@ class MpmdFunction:
             placed.append(entry)
         return tree, tuple(placed), static
 
-    def _abstract(self, call: Call) -> tuple[tuple, dict[str, Any]]:
-        """`call.dynamic` with every leaf abstract."""
-        return jax.tree.map(abstract, call.dynamic)
+    def _abstract(self, call: Call, replica_dims: Sequence[int | None] | None = None
+                  ) -> tuple[tuple, dict[str, Any]]:
+        """`call.dynamic` with every leaf abstract, a replica's share as the global array
+        it is part of (`Note: replica shares` in compiler/replicas.py)."""
+        leaves, tree = jax.tree.flatten(jax.tree.map(abstract, call.dynamic))
+        r = self.mpmd_mesh.num_replicas
+        for j, d in enumerate(replica_dims or ()):
+            if d is not None:
+                x = leaves[j]
+                shape = (*x.shape[:d], x.shape[d] * r, *x.shape[d + 1:])
+                leaves[j] = jax.ShapeDtypeStruct(shape, x.dtype, weak_type=x.weak_type)
+        return jax.tree.unflatten(tree, leaves)
+
+    def _replica_shares(self, in_specs: list) -> tuple[list[int | None], list]:
+        """Per flat argument, the dimension its spec splits over the replica axis (or
+        None), and the specs without that axis (`Note: replica shares`).
+
+        Raises:
+          ValueError: a spec naming the replica axis in a way that does not split one
+            dimension into consecutive blocks (see `replicas.split_dim`).
+        """
+        axis = self.mpmd_mesh.replica_axis_name
+        dims = [replicas.split_dim(spec, axis) for spec in in_specs]
+        specs = [spec if d is None else tuple(without_axis(PartitionSpec(*spec), axis))
+                 for spec, d in zip(in_specs, dims)]
+        return dims, specs
 
     def _closed_jaxpr(self, call: Call) -> jex_core.ClosedJaxpr:
         """The whole step traced for `call` (`MpmdCompiled.closed_jaxpr`), as `build_step`
@@ -216,17 +242,17 @@ class MpmdFunction:
     def _plan(self, call: Call, key: tuple, name: str) -> StepPlan:
         """Traces, splits and schedules the step for `call` (signature `key`)."""
         tree, sig, _ = key
-        abstract_args = self._abstract(call)
         mesh = self.mpmd_mesh
         group_shape, mpmd_axis = mesh.group_shape, mesh.mpmd_axis_name
         in_specs = [
             spec_entries(s, "in_shardings", mpmd_axis) if s is not None else entry[3]
             for s, entry in zip(self._in_specs(call, tree), sig)
         ]
-        leaf_paths = None
+        replica_dims, in_specs = self._replica_shares(in_specs)
+        abstract_args = self._abstract(call, replica_dims)
+        leaf_paths = paths(call.dynamic)
         for j, (spec, entry) in enumerate(zip(in_specs, sig)):
             if spec:
-                leaf_paths = leaf_paths or paths(call.dynamic)
                 check_layout(spec, entry[0], group_shape, f"argument {leaf_paths[j]}",
                              mpmd_axis)
         donate = []
@@ -243,7 +269,8 @@ class MpmdFunction:
         plan = build_step(bound, abstract_args, mesh.mpmd_dim, in_specs=in_specs,
                           out_specs=out_specs, donate=donate, what=f"{name}", mesh=mesh,
                           num_replicas=mesh.num_replicas,
-                          replica_bucket_bytes=config.options().replica_bucket_bytes)
+                          replica_bucket_bytes=config.options().replica_bucket_bytes,
+                          replica_dims=replica_dims, arg_names=leaf_paths)
         if out_specs is not None:
             out_paths = paths((jax.tree.unflatten(plan.out_tree, plan.output_avals),))
             for k, (spec, aval) in enumerate(zip(out_specs, plan.output_avals)):

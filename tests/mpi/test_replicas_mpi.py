@@ -44,6 +44,11 @@ def meshes():
         replica_axis_name="replica", axis_types=(AxisType.Auto,) * 4)}
 
 
+def _share(batch, replica: int, size: int):
+    """A replica's consecutive block of `size` microbatches of every batch leaf."""
+    return jax.tree.map(lambda x: x[replica * size:(replica + 1) * size], batch)
+
+
 def _everywhere(ok: bool, detail: str = "") -> None:
     results = WORLD.allgather((ok, detail))
     assert all(r[0] for r in results), results
@@ -118,3 +123,46 @@ def test_sharded_replicas_match_jit(meshes, sched_name):
     got = run_steps(fn, opt.init(params), params, batch)
     compared = assert_close_to_reference(reference, got)
     _everywhere(compared > 0 and len(fn._cache) == 1, f"rank {RANK}: {compared} compared")
+
+
+@pytest.mark.mpi(min_size=4)
+@pytest.mark.parametrize("sched_name", ["1f1b", "interleaved"])
+def test_each_rank_passes_its_share_of_the_batch(meshes, sched_name):
+    """in_shardings P("replica") on the batch: each rank passes only its replica's
+    microbatches (Note: replica shares) and the step still equals jax.jit on the global
+    batch; the same script runs with 1 replica (the share is the whole batch)."""
+    from jax.sharding import PartitionSpec as P
+
+    for replicas in (2, 1):
+        mesh = meshes[replicas]
+        sched = schedule(sched_name, mesh.mpmd_dim)
+        n = 2 * sched.num_stages
+        params, batch, loss_fn = mlp(sched.num_stages, n)
+        step, opt = make_step(loss_fn, sched)
+        reference = run_steps(jax.jit(step), opt.init(params), params, batch)
+        mine = _share(batch, mesh.replica_idx, n // replicas)
+        fn = jaxpp_mpi.mpmd_jit_with_loop(step, mpmd_mesh=mesh,
+                                          in_shardings=(None, None, P("replica")))
+        got = run_steps(fn, opt.init(params), params, mine)
+        _everywhere(assert_close_to_reference(reference, got) > 0)
+
+
+@pytest.mark.mpi(min_size=4)
+def test_share_read_outside_the_loop_is_refused_on_every_rank(meshes):
+    from jax.sharding import PartitionSpec as P
+
+    mesh = meshes[2]
+    sched = schedule("1f1b", mesh.mpmd_dim)
+    params, batch, loss_fn = mlp(sched.num_stages, 4)
+    step, opt = make_step(loss_fn, sched)
+
+    def with_batch_mean(opt_state, params, batch):
+        out = step(opt_state, params, batch)
+        return (*out, jax.numpy.mean(batch[0]))
+
+    fn = jaxpp_mpi.mpmd_jit_with_loop(with_batch_mean, mpmd_mesh=mesh,
+                                      in_shardings=(None, None, P("replica")))
+    mine = _share(batch, mesh.replica_idx, 2)
+    with pytest.raises(jaxpp_mpi.CompileError, match="split over the pipeline replicas"):
+        fn(opt.init(params), params, mine)
+    np.testing.assert_equal(WORLD.allgather(1), [1] * SIZE)

@@ -391,6 +391,8 @@ def build_step(
     mesh: MpmdMesh | None = None,
     num_replicas: int = 1,
     replica_bucket_bytes: int = 16 << 20,
+    replica_dims: Sequence[int | None] | None = None,
+    arg_names: Sequence[str] | None = None,
 ) -> StepPlan:
     """Compiles `fun(*args)` into a StepPlan for `num_groups` MPMD groups.
 
@@ -407,6 +409,9 @@ def build_step(
       mesh: the mesh: the step is traced under it (see `trace_step`).
       num_replicas: pipeline replicas sharing the microbatches (`Note: replicas`).
       replica_bucket_bytes: the largest all-reduce across replicas.
+      replica_dims: per flat argument, the dimension split over the replicas (the
+        argument is a replica's share: `Note: replica shares`), or None.
+      arg_names: per flat argument, its path (for errors).
 
     Returns:
       The StepPlan.
@@ -423,11 +428,16 @@ def build_step(
     _check_schedule(schedule, num_groups)
     split = split_body(params["body"], schedule.num_stages,
                        partial_bwd=schedule.is_partial_bwd)
+    num_consts = len(traced.consts)
+    shares: dict[int, tuple[int, ...]] = {}
+    if replica_dims is not None and any(d is not None for d in replica_dims):
+        arg_names = arg_names or [f"#{j}" for j in range(len(replica_dims))]
+        split, shares = replicas.localize_split(split, jaxpr, loop, num_consts, replica_dims,
+                                                num_replicas, arg_names)
     loop_homes = assign_loop_homes(split, schedule, len(loop.invars))
     homes = assign_outer_homes(jaxpr, loop_index, loop_homes.invariant_groups,
                                loop_homes.out_groups)
     names = OuterNames(jaxpr, loop_index, homes, loop_homes.out_groups)
-    num_consts = len(traced.consts)
     num_args = len(jaxpr.invars) - num_consts
     options = _options(in_specs, out_specs, donate, num_args, len(jaxpr.outvars))
 
@@ -446,6 +456,9 @@ def build_step(
                            f"{n_local} of the loop's {n} microbatches)") from e
     pre, post = outer_segments(jaxpr, loop_index, homes, names, num_groups)
     input_avals, avals = _value_avals(jaxpr, num_consts, options, names, lt.avals, dropped)
+    for k, shape in shares.items():  # `Note: replica shares`: each rank holds its share
+        input_avals[k] = dataclasses.replace(input_avals[k], shape=shape)
+        avals[input_value(k)] = input_avals[k]
     outputs = _step_outputs(jaxpr, names, homes.output_group, options.out_specs, avals)
 
     # Each group runs its pre segment, its loop tasks, then its post segments by level.

@@ -28,9 +28,14 @@ Note: replicas.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
+from typing import Any
 
+import jax
 import numpy as np
+from jax import lax
+from jax.extend import core as jex_core
 
 from jaxpp_mpi._src.compiler.task_graph import Value
 from jaxpp_mpi._src.errors import CompileError
@@ -39,7 +44,8 @@ from jaxpp_mpi._src.ir.program import Program
 from jaxpp_mpi._src.ir.simulate import verify
 from jaxpp_mpi._src.treduce import Add, Concat, Max, Op
 
-__all__ = ["add_reductions", "local_microbatches", "reduce_op"]
+__all__ = ["add_reductions", "local_microbatches", "localize", "localize_split", "reduce_op",
+           "split_dim"]
 
 
 def local_microbatches(num_microbatches: int, num_replicas: int) -> int:
@@ -97,3 +103,165 @@ def add_reductions(program: Program, buffer_names: Sequence[Mapping[int, Value]]
     out = passes.add_replica_reductions(program, reductions, bucket_bytes)
     verify(out)
     return out
+
+
+# Note: replica shares.
+#   An argument whose `in_shardings` spec names the replica axis on dimension d (alone,
+#   or first in a tuple entry) is *split over the replicas*: each rank passes only its
+#   replica's share, the global array's d-th dimension cut into R equal consecutive
+#   blocks (replica r: block r), which is what a data loader reading only its part of
+#   the global batch produces. The step is still traced on the global array (its
+#   dimension d R times the share's), so its meaning does not change with R. Such an
+#   argument may only be read by the microbatch loop, one microbatch's rows at a time:
+#   every `dynamic_slice` of it in a loop task reads at global start s on dimension d,
+#   and the task reads the share at s mod (share size), which is the same row when the
+#   slice lies in the replica's own block, as the microbatches a replica runs do
+#   (`Note: replicas`: replica r runs microbatches r*n/R..). treduce's `xs` and `x[i]`
+#   in a `treduce_i` body read so; any other use (outside the loop, or another
+#   operation on the whole argument) is refused by name.
+
+
+def split_dim(spec: Sequence | None, replica_axis: str | None) -> int | None:
+    """The dimension a spec splits over the replica axis (`Note: replica shares`).
+
+    Raises:
+      ValueError: the replica axis appears other than alone or first in an entry, or
+        on two dimensions.
+    """
+    if not spec or replica_axis is None:
+        return None
+    dims = []
+    for d, entry in enumerate(spec):
+        names = entry if isinstance(entry, tuple) else (entry,)
+        if replica_axis in names:
+            if names[0] != replica_axis:
+                raise ValueError(
+                    f"spec {tuple(spec)} names the replica axis {replica_axis!r} after "
+                    f"{names[0]!r} in one entry: put it first (the replicas split the "
+                    "dimension into consecutive blocks, the group axes split each block)")
+            dims.append(d)
+    if len(dims) > 1:
+        raise ValueError(f"spec {tuple(spec)} names the replica axis {replica_axis!r} on "
+                         f"dimensions {dims}: split one dimension over the replicas")
+    return dims[0] if dims else None
+
+
+def localize(closed: Any, split: Mapping[int, tuple[int, int]], where: str) -> Any:
+    """The task jaxpr `closed` reading replica shares (`Note: replica shares`).
+
+    Args:
+      closed: a loop task's closed jaxpr.
+      split: jaxpr input position -> (split dimension, share size along it).
+      where: the task and argument, for errors.
+
+    Returns:
+      A closed jaxpr whose split inputs have the share's shape and whose dynamic slices
+      of them start at the global start modulo the share size.
+
+    Raises:
+      CompileError: a split input read otherwise than by `dynamic_slice`.
+    """
+    jaxpr = closed.jaxpr
+    shares = {jaxpr.invars[i]: dims for i, dims in split.items()}
+
+    def fn(*args):
+        env: dict[Any, Any] = {}
+        read = lambda v: v.val if isinstance(v, jex_core.Literal) else env[v]
+        for v, c in zip(jaxpr.constvars, closed.consts):
+            env[v] = c
+        for v, a in zip(jaxpr.invars, args):
+            env[v] = a
+        for eqn in jaxpr.eqns:
+            touched = [v for v in eqn.invars
+                       if not isinstance(v, jex_core.Literal) and v in shares]
+            invals = [read(v) for v in eqn.invars]
+            if touched:
+                if eqn.primitive is not lax.dynamic_slice_p or touched != [eqn.invars[0]]:
+                    raise CompileError(
+                        f"{where} is split over the pipeline replicas (its in_shardings "
+                        f"name the replica axis) but the loop reads it with "
+                        f"`{eqn.primitive.name}`: such an argument may only be read one "
+                        "microbatch at a time (treduce's xs, or x[i] in a treduce_i "
+                        "body); pass it whole instead (not split over the replica axis)")
+                d, size = shares[eqn.invars[0]]
+                start = invals[1 + d]
+                invals[1 + d] = lax.rem(start, np.asarray(size, dtype=np.result_type(start)))
+            params = eqn.primitive.get_bind_params(eqn.params)
+            subfuns: Sequence[Any] = ()
+            if isinstance(params, tuple):  # (subfuns, params) for call-like primitives
+                subfuns, params = params
+            out = eqn.primitive.bind(*subfuns, *invals, **params)
+            outs = out if eqn.primitive.multiple_results else [out]
+            for v, o in zip(eqn.outvars, outs):
+                env[v] = o
+        return [read(v) for v in jaxpr.outvars]
+
+    avals = []
+    for i, v in enumerate(jaxpr.invars):
+        aval = v.aval
+        if i in split:
+            d, size = split[i]
+            aval = aval.update(shape=(*aval.shape[:d], size, *aval.shape[d + 1:]))
+        avals.append(jax.ShapeDtypeStruct(aval.shape, aval.dtype,
+                                          weak_type=getattr(aval, "weak_type", False)))
+    return jax.make_jaxpr(fn)(*avals)
+
+
+def localize_split(split: Any, jaxpr: jex_core.Jaxpr, loop: jex_core.JaxprEqn,
+                   num_consts: int, replica_dims: Sequence[int | None], num_replicas: int,
+                   names: Sequence[str]) -> tuple[Any, dict[int, tuple[int, ...]]]:
+    """The split loop body reading replica shares (`Note: replica shares`).
+
+    Args:
+      split: the `SplitBody`.
+      jaxpr: the traced step; loop: its treduce eqn.
+      num_consts: how many of `jaxpr`'s inputs are constants (arguments follow).
+      replica_dims: per flat argument, the dimension split over the replicas, or None.
+      num_replicas: R.
+      names: per flat argument, its path (for errors).
+
+    Returns:
+      The SplitBody with localized task jaxprs, and per split flat step input (constants
+      counted), the share's shape.
+
+    Raises:
+      CompileError: a split argument read outside the loop, or returned by it.
+    """
+    shapes: dict[int, tuple[int, ...]] = {}
+    share_of: dict[int, tuple[int, int]] = {}  # loop invariant -> (dim, share size)
+    for j, d in enumerate(replica_dims):
+        if d is None:
+            continue
+        var = jaxpr.invars[num_consts + j]
+        shape = tuple(var.aval.shape)
+        size = shape[d] // num_replicas
+        shapes[num_consts + j] = (*shape[:d], size, *shape[d + 1:])
+        outside = [e.primitive.name for e in jaxpr.eqns
+                   if e is not loop and any(v is var for v in e.invars)]
+        if outside or any(v is var for v in jaxpr.outvars):
+            what = f"`{outside[0]}` outside the loop" if outside else "as a step result"
+            raise CompileError(
+                f"argument {names[j]} is split over the pipeline replicas (its in_shardings "
+                f"name the replica axis) but the step uses it {what}: such an argument "
+                "may only be read by the microbatch loop, one microbatch at a time; pass "
+                "it whole (not split over the replica axis) to use it there")
+        for i, v in enumerate(loop.invars):
+            if v is var:
+                share_of[i] = (d, size)
+    if not share_of:
+        return split, shapes
+    for ref in split.body_outputs:
+        if ref[0] == "inv" and ref[1] in share_of:
+            raise CompileError("a loop output is an argument split over the pipeline "
+                               "replicas: return it from outside the loop, whole")
+    tasks = []
+    for task in split.tasks:
+        mine = {i: share_of[ref[1]] for i, ref in enumerate(task.ins)
+                if ref[0] == "inv" and ref[1] in share_of}
+        if mine:
+            label = f"{task.key[0].value}{task.key[1]}"
+            which = ", ".join(names[k - num_consts] for k in shapes)
+            task = dataclasses.replace(task, jaxpr=localize(
+                task.jaxpr, mine, f"argument(s) {which} (read by task {label})"))
+        tasks.append(task)
+    return dataclasses.replace(split, tasks=tuple(tasks)), shapes
