@@ -2,6 +2,19 @@
 
 The files are described in Note: Checkpoint format (checkpoint/format.py), the way they
 are written in Note: Atomic commit (checkpoint/commit.py).
+
+Note: Checkpoints with replicas.
+  With pipeline replicas (Note: Pipeline replicas in mesh.py) every replica holds the
+  same values, so a checkpoint does not depend on how many there are: `save` writes it
+  once, by the ranks of replica 0 over their pipeline communicator (`mesh.comm`,
+  exactly as a one-replica job with the same groups does: same manifest, same files),
+  while the other replicas wait for the outcome over `mesh.job_comm`, under the save's
+  deadline grown by the time the whole checkpoint takes to write; every rank of the job
+  then returns, or raises, alike. Every other decision (the tree's agreement, `find`,
+  `restore`'s checks, `save_plan`) is taken over `mesh.job_comm`, so the job's rank 0
+  recovers and writes what one rank must; `restore` reads the same files on every
+  replica, each rank its group's leaves. A checkpoint saved with R replicas restores
+  onto any R and any layout of the same leaves.
 """
 
 from __future__ import annotations
@@ -28,8 +41,9 @@ __all__ = ["find", "load_plan", "load_whole", "read_manifest", "restore", "save"
 
 
 def ranks_of(mesh: MpmdMesh | None, label: str = "checkpoint collective") -> Ranks:
-    """The ranks of `mesh` (this process alone in local mode); their collectives wait
-    under the deadline `label` (`Note: deadlines` in runtime/failure.py).
+    """Every rank of `mesh`'s job, every replica's (this process alone in local mode);
+    their collectives wait under the deadline `label` (`Note: deadlines` in
+    runtime/failure.py, `Note: Checkpoints with replicas`).
 
     In MPI mode waits for this rank's pending computations and message chains first
     (`chains.quiesce`), so no MPI message of a running step is in flight meanwhile.
@@ -49,7 +63,15 @@ def ranks_of(mesh: MpmdMesh | None, label: str = "checkpoint collective") -> Ran
     from jaxpp_mpi._src.mpi import chains
 
     chains.quiesce()
-    return Ranks(mesh.comm, label)
+    return Ranks(mesh.job_comm, label)
+
+
+def _writers(mesh: MpmdMesh | None, ranks: Ranks) -> Ranks | None:
+    """The ranks that write a save (`Note: Checkpoints with replicas`): `ranks` itself
+    with one replica; with several, replica 0's pipeline (None on another replica)."""
+    if mesh is None or mesh.is_local or mesh.num_replicas == 1:
+        return ranks
+    return Ranks(mesh.comm, ranks.label) if mesh.replica_idx == 0 else None
 
 
 def _mesh_of(items: Sequence[Any], mesh: MpmdMesh | None) -> MpmdMesh | None:
@@ -84,7 +106,9 @@ def save(
     holding its first group (`mesh_ids[0]`), with its placement; a plain leaf (a
     `jax.Array`, numpy array or scalar, the same on every rank) is written by rank 0 with
     no placement. Rank 0 writes the manifest last; the directory appears at `path` only
-    when complete (see Note: Atomic commit).
+    when complete (see Note: Atomic commit). With pipeline replicas, replica 0 writes
+    and the others wait: the files are those a one-replica job writes (`Note:
+    Checkpoints with replicas`).
 
     Args:
       path: the checkpoint directory (created; its parent too).
@@ -102,6 +126,8 @@ def save(
     paths, leaves, _ = fmt.flatten_with_paths(tree)
     mesh = _mesh_of(leaves, mesh)
     ranks = ranks_of(mesh, f"checkpoint save of {path}")
+    writers = _writers(mesh, ranks)
+    plain_writer = writers is not None and writers.rank == 0
 
     def describe() -> tuple[Manifest, list[tuple[int, Producer]]]:
         entries, mine = [], []
@@ -113,10 +139,10 @@ def save(
                 if x.is_deleted():
                     raise CheckpointError(f"{fmt.format_key_path(p)} was deleted (donated?)")
                 placement = fmt.Placement(sharding.mesh_ids, fmt.encode_spec(sharding.spec))
-                if sharding.mesh_ids[0] in mesh.local_groups:
+                if writers is not None and sharding.mesh_ids[0] in mesh.local_groups:
                     mine.append((i, lambda x=x, p=p: np.asarray(
                         x._value_replica(f"saving {fmt.format_key_path(p)}"))))
-            elif ranks.rank == 0:
+            elif plain_writer:
                 mine.append((i, lambda x=x: np.asarray(x)))
             entries.append(fmt.LeafEntry(p, shape, fmt.dtype_name(dtype), fmt.leaf_file(i),
                                          placement))
@@ -124,7 +150,19 @@ def save(
 
     manifest, mine = ranks.run(describe)
     ranks.check_same(manifest.to_json(), "tree (key paths, shapes, dtypes, placement)")
-    commit_checkpoint(path, manifest, mine, ranks, overwrite=overwrite)
+    if writers is ranks:
+        commit_checkpoint(path, manifest, mine, ranks, overwrite=overwrite)
+        return
+    # Replicas (Note: Checkpoints with replicas): replica 0 commits, every rank learns
+    # the outcome; the others may wait for the whole write.
+    ranks.expect_io(sum(leaf.nbytes for leaf in manifest.leaves))
+    error = None
+    if writers is not None:
+        try:
+            commit_checkpoint(path, manifest, mine, writers, overwrite=overwrite)
+        except Exception as e:  # noqa: BLE001 - raised on every rank just below
+            error = e
+    ranks.allgather_or_raise(None, error)
 
 
 # -- reading ------------------------------------------------------------------------
@@ -133,9 +171,10 @@ def save(
 def find(path: str, *, mesh: MpmdMesh | None = None) -> Manifest | None:
     """The checkpoint to resume from at `path`: its manifest, or None (start afresh).
 
-    Collective in MPI mode (every rank calls it): rank 0 first completes a save that was
-    interrupted between its two renames (`.NAME.old-*` / `.NAME.tmp-*` left beside a
-    missing NAME: see Note: Atomic commit), then every rank reads the manifest.
+    Collective in MPI mode (every rank of the job, every replica, calls it): rank 0
+    first completes a save that was interrupted between its two renames (`.NAME.old-*`
+    / `.NAME.tmp-*` left beside a missing NAME: see Note: Atomic commit), then every
+    rank reads the manifest.
 
     Example:
       found = checkpoint.find(ckpt, mesh=mesh)
@@ -234,7 +273,8 @@ def restore(
     holding one of its groups read its file. Other leaves come back as `like`'s kind: a
     `jax.Array` with its sharding, a numpy array or scalar, a Python scalar; every
     process reads them. The placement recorded in the checkpoint does not matter: a
-    checkpoint saved on one layout restores onto any other.
+    checkpoint saved on one layout restores onto any other, and with pipeline replicas
+    every replica reads the same files (`Note: Checkpoints with replicas`).
 
     Args:
       path: the checkpoint directory.

@@ -36,7 +36,9 @@ __all__ = ["Leaf", "ReshardStats", "batches", "mpmd_leaf", "prepare", "spmd_leaf
 #   `d`. (So `jax.jit(f, out_shardings=NamedSharding(mesh.jax_mesh, P(axis)))` computes a
 #   whole array here, not a block: slice the rank's block out, or jit the block.) Every
 #   other array is the whole array, and every rank passes the same logical shape and
-#   dtype.
+#   dtype. With pipeline replicas (Note: Pipeline replicas in mesh.py) each replica
+#   reshards over its own pipeline, rank = MPMD index as above, so a rank's block is that
+#   of its group in every replica; the input checks are agreed over the whole job.
 #
 # Note: Reshard batches.
 #   Leaves move in flat (pytree) order, in batches: a batch takes leaves while the
@@ -257,8 +259,13 @@ def _agree(mesh: MpmdMesh, error: ValueError | None, leaves: list[Leaf],
            threshold: int) -> int:
     """Raises the same ValueError on every rank when any rank found bad input or the
     ranks disagree on the leaves (Note: raise on every rank, in agree.py); returns the
-    common threshold (the minimum)."""
-    comm = None if mesh.is_local else mesh.comm
+    common threshold (the minimum).
+
+    With pipeline replicas every replica reshards over its own pipeline communicator,
+    but this decision is the job's (`mesh.job_comm`): every replica passes the same
+    leaves, and a bad input on one replica stops them all.
+    """
+    comm = None if mesh.is_local else mesh.job_comm
     sig = None if error else [(f.path, f.shape, f.dtype.name, str(f.mpmd)) for f in leaves]
     reports = agree.allgather_or_raise((sig, threshold), error, comm, _bad_input,
                                        own="never", message=_text, label="reshard agreement")

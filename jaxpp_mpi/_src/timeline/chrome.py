@@ -3,17 +3,21 @@
 Note: trace format.
   `export` writes the JSON Object Format of the Trace Event Format:
   `{"traceEvents": [...], "displayTimeUnit": "ms", "otherData": {...}}`. Each process
-  track is an MPI rank (`pid` = rank; local mode: one process, `pid` 0) and each thread
-  track an MPMD group (`tid` = group), named by `process_name` / `thread_name` metadata
-  events (`"ph": "M"`). Every `TraceEvent` (see `Note: trace events`) becomes one
-  complete event (`"ph": "X"`): a timed Run has `cat` 'task', its task label as `name`
-  and, from `schedules.tasks.parse_label` (see `Note: task labels`), args `kind` ('F',
-  'B', 'I', 'W'; fused tasks join kinds with '+', as 'F+B'; code outside the microbatch
-  loop is 'pre' or 'post'), `microbatch` and `stage` (lists for a fused task, absent
-  outside the loop); a message instruction has `cat` 'message', its
-  kind ('send', 'recv', 'sendrecv', 'transfer') as `name`, and its peer(s), tag(s),
-  buffer(s) and bytes as args. `ts` and `dur` are microseconds from the earliest event;
-  `otherData.start_unix_ns` is that event's wall-clock time.
+  track is an MPI rank of the job (`pid` = rank; local mode: one process, `pid` 0) and
+  each thread track an MPMD group (`tid` = group), named by `process_name` /
+  `thread_name` metadata events (`"ph": "M"`). With pipeline replicas (Note: Pipeline
+  replicas in mesh.py) every rank of every replica has its track: `pid` is the job
+  rank, replica x P + group, the process is named "rank N (replica r)", each slice's
+  args carry `replica`, and `otherData.replicas` says R. Every `TraceEvent` (see
+  `Note: trace events`) becomes one complete event (`"ph": "X"`): a timed Run has
+  `cat` 'task', its task label as `name` and, from `schedules.tasks.parse_label` (see
+  `Note: task labels`), args `kind` ('F', 'B', 'I', 'W'; fused tasks join kinds with
+  '+', as 'F+B'; code outside the microbatch loop is 'pre' or 'post'), `microbatch` and
+  `stage` (lists for a fused task, absent outside the loop); a message instruction has
+  `cat` 'message', its kind ('send', 'recv', 'sendrecv', 'transfer', 'allreduce') as
+  `name`, and its peer(s), tag(s), buffer(s) and bytes as args (an all-reduce across
+  replicas: its buffers, op, bytes and replicas). `ts` and `dur` are microseconds from
+  the earliest event; `otherData.start_unix_ns` is that event's wall-clock time.
 
 Note: trace clocks.
   Events carry `time.time_ns()` readings. Ranks on one host read the same clock, so
@@ -87,30 +91,41 @@ def chrome_trace(
     offsets_ns: Sequence[int] | None = None,
     local: bool = False,
     other_data: Mapping[str, Any] | None = None,
+    replicas: int = 1,
 ) -> dict[str, Any]:
     """Builds a Chrome trace (see `Note: trace format`) from each process's events.
 
     Args:
-      per_process: the events of rank 0, 1, ... (local mode: one list, all groups).
+      per_process: the events of rank 0, 1, ... of the job (local mode: one list, all
+        groups).
       offsets_ns: per process, ns added to its times to put them on one clock
         (see `Note: trace clocks`); zeros if None.
       local: name the one process 'local' instead of 'rank 0'.
       other_data: extra entries for the trace's `otherData` (e.g. the schedule).
+      replicas: pipeline replicas in the job: rank N is replica N // P, P =
+        len(per_process) // replicas.
 
     Returns:
       The trace as a JSON-ready dict.
 
     Raises:
-      ValueError: if `offsets_ns` does not have one entry per process.
+      ValueError: if `offsets_ns` does not have one entry per process, or `replicas`
+        does not divide the processes.
     """
     offsets = list(offsets_ns) if offsets_ns is not None else [0] * len(per_process)
     if len(offsets) != len(per_process):
         raise ValueError(f"{len(offsets)} clock offsets for {len(per_process)} processes")
+    if replicas < 1 or len(per_process) % replicas or (local and replicas > 1):
+        raise ValueError(f"{replicas} replicas do not divide {len(per_process)} "
+                         f"{'local ' if local else ''}processes")
+    per_replica = max(1, len(per_process) // replicas)
     timed = [(pid, e, e.start_ns + offsets[pid]) for pid, e in _events_of(per_process)]
     origin = min((start for _, _, start in timed), default=0)
     meta: list[dict[str, Any]] = []
     for pid, events in enumerate(per_process):
         pname = "local" if local else f"rank {pid}"
+        if replicas > 1:
+            pname += f" (replica {pid // per_replica})"
         meta.append({"name": "process_name", "ph": "M", "pid": pid, "tid": 0,
                      "args": {"name": pname}})
         meta.append({"name": "process_sort_index", "ph": "M", "pid": pid, "tid": 0,
@@ -123,13 +138,16 @@ def chrome_trace(
     slices = []
     for pid, e, start in sorted(timed, key=lambda t: (t[2], t[0], t[1].group)):
         args = {"group": e.group, **{k: _jsonable(v) for k, v in e.args.items()}}
+        if replicas > 1:
+            args["replica"] = pid // per_replica
         if e.cat == "task":
             args.update(_task_args(e.name))
         slices.append({"name": e.name, "cat": e.cat, "ph": "X", "pid": pid, "tid": e.group,
                        "ts": (start - origin) / 1e3, "dur": (e.end_ns - e.start_ns) / 1e3,
                        "args": args})
     data = {"start_unix_ns": origin, "clock_offsets_ns": offsets,
-            "processes": len(per_process), "mode": "local" if local else "mpi"}
+            "processes": len(per_process), "mode": "local" if local else "mpi",
+            "replicas": replicas}
     data.update(other_data or {})
     return {"traceEvents": meta + slices, "displayTimeUnit": "ms", "otherData": data}
 
@@ -169,16 +187,17 @@ def export(
 ) -> dict[str, Any] | None:
     """Writes the Chrome trace of every rank's `events` to `path` on rank `root`.
 
-    In MPI mode this is collective over the mesh's communicator: every rank calls it
-    with its own events (from `record`); they are gathered to `root` as JSON (no
-    pickle), put on root's clock (see `Note: trace clocks`) and written there; a failure
-    to write raises on every rank. In local mode the one process writes its events.
+    In MPI mode this is collective over the mesh's job (`mpmd_mesh.job_comm`: every
+    rank of every pipeline replica): every rank calls it with its own events (from
+    `record`); they are gathered to `root` as JSON (no pickle), put on root's clock (see
+    `Note: trace clocks`) and written there; a failure to write raises on every rank.
+    In local mode the one process writes its events.
 
     Args:
       path: the JSON file to write (its directory is created; written atomically).
       events: this process's events of the recorded step(s).
       mpmd_mesh: the `MpmdMesh` the step ran on.
-      root: the rank that writes the file.
+      root: the rank of the job that writes the file.
       other_data: extra entries for the trace's `otherData`.
 
     Returns:
@@ -193,14 +212,14 @@ def export(
         return trace
     from jaxpp_mpi._src.mpi import collectives  # the MPI layer (imports mpi4py)
 
-    comm = mpmd_mesh.comm.Dup()  # private tags: nothing can match a runtime message
+    comm = mpmd_mesh.job_comm.Dup()  # private tags: nothing can match a runtime message
     try:
         gathered = collectives.gather_bytes(_encode(events), comm, root)
         offsets = collectives.clock_offsets_ns(comm, root)
         trace, error = None, ""
         if gathered is not None:
             trace = chrome_trace([_decode(b) for b in gathered], offsets_ns=offsets,
-                                 other_data=other_data)
+                                 other_data=other_data, replicas=mpmd_mesh.num_replicas)
             try:
                 _write_json(path, trace)
             except (OSError, TypeError, ValueError) as e:  # raised on every rank below

@@ -11,11 +11,12 @@ Note: task timing.
 Note: trace events.
   Inside a `record_trace_events()` block the executors run their timed steps (as for task
   timing, and the task times are collected too) and also append one `TraceEvent` per
-  timed Run and per message instruction (Send, Recv, SendRecv, local transfers) to the
-  block's list: its wall-clock start and end (`time.time_ns()`, comparable between
-  processes of one host and, up to clock sync, between hosts) and what it was. A message
-  event spans the whole blocking call, waiting for the peer included: that is where a
-  pipeline's bubbles show. `jaxpp_mpi.trace` turns these into Chrome-trace JSON.
+  timed Run and per message instruction (Send, Recv, SendRecv, local transfers, and
+  the AllReduce across pipeline replicas) to the block's list: its wall-clock start and
+  end (`time.time_ns()`, comparable between processes of one host and, up to clock
+  sync, between hosts) and what it was. A message event spans the whole blocking call,
+  waiting for the peer included: that is where a pipeline's bubbles show.
+  `jaxpp_mpi.trace` turns these into Chrome-trace JSON.
 """
 
 from __future__ import annotations
@@ -47,11 +48,12 @@ class TraceEvent:
 
     Attributes:
       name: the task label ('F3s1', 'B0s2', fused 'F3s1+B1s1') or the message kind
-        ('send', 'recv', 'sendrecv', 'transfer').
+        ('send', 'recv', 'sendrecv', 'transfer', 'allreduce').
       cat: 'task' or 'message'.
       group: the MPMD index that ran it.
       start_ns, end_ns: wall clock (`time.time_ns()`) around the blocking call.
-      args: what it was: for messages the peer(s), tag(s), buffer id(s) and bytes.
+      args: what it was: for messages the peer(s), tag(s), buffer id(s) and bytes; for
+        an all-reduce its buffers, op, bytes and replicas.
     """
 
     name: str
