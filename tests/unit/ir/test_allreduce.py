@@ -67,8 +67,8 @@ def pipeline(reduce: bool) -> Program:
         (
             Recv(1, 0, -1, ACT),
             Run("fb", (0, 1), (2, 3), task="F0s1+B0s1"),
+            Send(3, 0, -1),  # what group 0 waits for goes before the reduction
             *ar1,
-            Send(3, 0, -1),
         ),
         {2: 1},
         {0: W, 1: ACT, 2: W, 3: ACT},
@@ -97,15 +97,15 @@ def test_text_round_trip():
 def test_verifier_accepts_allreduce_after_its_definition():
     program = pipeline(reduce=True)
     verify(program)
-    # The reduced buffers stay live (outputs at the end); group 1's AllReduce sits between
-    # its Run and the Send of the other result, which it does not touch.
+    # The reduced buffers stay live (outputs at the end); group 1's AllReduce follows
+    # the Send of the other result, which it does not touch.
     assert [type(i).__name__ for i in program.group(1).instrs] == [
         "Recv",
         "Run",
         "Free",
-        "AllReduce",
         "Send",
         "Free",
+        "AllReduce",
     ]
     # An AllReduce is no message: the matching is the one without it.
     plain = pipeline(reduce=False)
@@ -149,9 +149,9 @@ def test_verifier_rejects_allreduce_of_freed_buffer():
 
 def test_format_grid_shows_allreduce():
     program = pipeline(reduce=True)
-    pcs = [len(program.group(0).instrs) - 1, 3]
+    pcs = [len(program.group(0).instrs) - 1, 5]
     grid = format_grid(program, pcs, depth=2, width=60)
-    assert ">#3 allreduce (%2) op=sum" in grid
+    assert ">#5 allreduce (%2) op=sum" in grid
     last = program.group(0).instrs[-1]
     assert f">#{pcs[0]} {last}" in grid
 
@@ -274,7 +274,8 @@ def test_replica_reductions_after_sendrecv_and_before_existing_frees():
     )
     h = GroupProgram(1, {0: 0}, (SendRecv(0, 0, 0, 1, 0, 0, W), Free((0, 1))), {}, {0: W, 1: W})
     out = add_replica_reductions(Program((g, h)), {0: [(1, "bor")], 1: [(1, "sum")]}, 1)
-    assert out.group(0).instrs[1] == AllReduce((1,), "bor")
+    # past a Free of another buffer; before a Free of its own
+    assert out.group(0).instrs == (*g.instrs, AllReduce((1,), "bor"))
     assert out.group(1).instrs == (h.instrs[0], AllReduce((1,), "sum"), h.instrs[1])
     verify(out)
 
@@ -291,6 +292,18 @@ def test_replica_reductions_after_sendrecv_and_before_existing_frees():
 def test_replica_reductions_reject_bad_requests(reductions, message):
     with pytest.raises(ValueError, match=message):
         add_replica_reductions(pipeline(reduce=False), reductions, 0)
+
+
+def test_replica_reductions_go_after_the_sends_that_follow_but_before_sending_their_own():
+    act = Aval((4,), "float32")
+    g = GroupProgram(0, {}, (Run("b", (), (1, 2, 3)), Send(3, 1, 0), Send(1, 1, 1),
+                             Run("c", (2,), (4,))), {4: 0}, {1: act, 2: act, 3: act, 4: act})
+    h = GroupProgram(1, {}, (Recv(3, 0, 0, act), Recv(1, 0, 1, act)), {}, {1: act, 3: act})
+    out = add_replica_reductions(Program((g, h)), {0: [(1, "sum"), (2, "sum")]}, 0)
+    # %3 is sent first (not reduced); %1 is reduced, so its own send waits for it
+    assert out.group(0).instrs == (g.instrs[0], g.instrs[1], AllReduce((1, 2), "sum"),
+                                   *g.instrs[2:])
+    verify(add_frees(out))
 
 
 def test_replica_reductions_reject_a_buffer_defined_twice():
@@ -363,9 +376,9 @@ def test_simulate_four_replicas_adds_the_ring_time():
     # R = 4 takes 2(R-1)/R * 64 B / bandwidth + 2(R-1) * latency.
     ring = 2 * 3 / 4 * 64 / (65536 / 0.01) + 2 * 3 * 0.04
     assert ring == pytest.approx(0.24 + 1.5 * 64 / 6553600)
-    # Group 1's reduction (between its F+B and its Send) delays the gradient message,
-    # so group 0's B starts one ring later as well: two rings on the critical path.
-    assert result.makespan == pytest.approx(base + 2 * ring)
+    # Group 1 sends the gradient group 0 waits for before its own reduction, which then
+    # overlaps group 0's B: one ring on the critical path.
+    assert result.makespan == pytest.approx(base + ring)
     assert result.busy == simulate(plain, transfer=COST).busy  # reductions are not compute
     ev = result.events[0][-1]
     assert ev.kind == "allreduce" and ev.instr == AllReduce((4,), "sum")
@@ -373,8 +386,8 @@ def test_simulate_four_replicas_adds_the_ring_time():
     assert [e.kind for e in result.events[1] if e.kind != "free"] == [
         "message",
         "task",
-        "allreduce",
         "message",
+        "allreduce",
     ]
 
 
@@ -387,7 +400,7 @@ def test_simulate_custom_allreduce_cost():
 
     result = simulate(pipeline(reduce=True), replicas=3, allreduce_cost=cost)
     assert sorted(calls) == [(64.0, 3), (64.0, 3)]
-    assert result.makespan == 6.0 + 2 * 10.0
+    assert result.makespan == 6.0 + 10.0  # group 1's overlaps group 0's B
 
 
 def test_ring_model_of_a_general_transfer():
