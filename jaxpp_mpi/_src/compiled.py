@@ -425,7 +425,7 @@ class MpmdCompiled:
         # No message yet: `MpmdFunction.compile` agrees with the other ranks first.
         return MpiExecutor(plan.program, g, executables[g],
                            functools.partial(self.sharding, g), mesh.comm,
-                           replica_comm=mesh.replica_comm)
+                           replica_comm=mesh.replica_comm, job_comm=mesh.job_comm)
 
     def _fixed_inputs(self) -> list[Any]:
         """Constants and microbatch indexes, placed once on the groups that use them."""

@@ -206,6 +206,7 @@ class MpiExecutor:
       comm: the communicator (rank r runs group r).
       replica_comm: the communicator of this group's replicas (`AllReduce`), or None
         with one replica.
+      job_comm: every rank of the job (the watchdog's rank and abort), default `comm`.
 
     Raises:
       ValueError: if a wire tag would exceed the communicator's MPI_TAG_UB.
@@ -220,6 +221,7 @@ class MpiExecutor:
         comm: Any,
         options: Options | None = None,
         replica_comm: Any = None,
+        job_comm: Any = None,
     ):
         options = options or config.options()
         if options.heap_tuning:
@@ -250,10 +252,9 @@ class MpiExecutor:
         self._watchdog = None
         self._has_messages = any(isinstance(i, _MPI_INSTRS) for i in gp.instrs)
         if options.watchdog:
-            rank = comm.Get_rank() if replica_comm is None else (
-                replica_comm.Get_rank() * comm.Get_size() + comm.Get_rank())
-            self._watchdog = Watchdog(rank, options, functools.partial(
-                describe_instr, gp), len(gp.instrs), comm.Abort)
+            job = job_comm or comm  # a stall in one replica ends every replica
+            self._watchdog = Watchdog(job.Get_rank(), options, functools.partial(
+                describe_instr, gp), len(gp.instrs), job.Abort)
             self._steps = self._marked(self._steps, self._watchdog)
         groups = program.groups
         num_inputs = 1 + max((k for g in groups for _, k in g.inputs), default=-1)
