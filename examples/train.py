@@ -5,9 +5,23 @@
 Rank r runs group r: its stages' forward and backward tasks, in the order the schedule
 gives, exchanging activations and gradients over MPI. Rank 0 prints compilation progress
 and, per step, the mean loss, wall time, tokens/s and the bubble (idle share of the step)
-the schedule simulator predicts; at the end every rank checks the losses against a
-single-process `jax.jit` run of the same step on the same data, and rank 0 prints the
-largest absolute difference. Without mpirun (one process) the groups are local devices.
+the schedule simulator predicts; at the end rank 0 runs the same steps on the same data
+in one process under `jax.jit` and prints the largest absolute difference of the losses
+and of the final parameters (every rank's, gathered); the run fails (exit status 1)
+when either is past its tolerance. Without mpirun (one process) the groups are local
+devices.
+
+`--replicas R` runs R copies of a P-group pipeline on R x P ranks (data parallelism
+across pipelines; rank replica x P + group):
+
+    launch/jpprun -n 4 python examples/train.py --replicas 2 --microbatches 8
+
+The step is unchanged and still sees the whole batch: replica r runs microbatches
+r x n/R ... of the n, and the gradients and losses are combined across replicas right
+after their last microbatch, so every replica ends each step with the same parameters,
+the ones `jax.jit` computes from the same global batch. R must divide the rank count
+and the microbatch count. A checkpoint (`--ckpt-dir`) holds one copy of the state,
+written by replica 0, and resumes onto any R.
 
 `--data-axis D --model-axis M` gives every group D x M devices: the batch's rows are
 split over "data" and the blocks' weights Megatron-style over "model" (attention `qkv`
@@ -33,6 +47,7 @@ import os
 import sys
 import time
 from functools import partial
+from typing import NoReturn
 
 from jaxpp_mpi.schedules import (  # no JAX import
     SCHEDULE_NAMES,
@@ -65,6 +80,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="devices per group on 'data' (the batch's rows split over them)")
     p.add_argument("--model-axis", type=int, default=1,
                    help="devices per group on 'model' (the blocks' weights split over them)")
+    p.add_argument("--replicas", type=int, default=1,
+                   help="copies of the pipeline (MPI mode: R x P ranks for P groups); the "
+                        "microbatches of a step are shared out among them")
     p.add_argument("--groups", type=int, default=0,
                    help="MPMD groups in a single process (default: the MPI world size)")
     p.add_argument("--no-check", action="store_true", help="skip the jax.jit comparison")
@@ -84,6 +102,47 @@ def _world_size() -> int:
     from jaxpp_mpi.launch import launcher_world_size
 
     return launcher_world_size(os.environ)
+
+
+def pipeline_layout(world: int, replicas: int, num_microbatches: int) -> int:
+    """The number of groups per pipeline for `replicas` copies on `world` ranks.
+
+    It depends only on the arguments and the job size, so every rank decides alike,
+    before JAX starts.
+
+    Raises:
+      ValueError: `replicas` is not positive, needs MPI mode (`world` == 1), does not
+        divide `world` or does not divide `num_microbatches`.
+    """
+    if replicas < 1:
+        raise ValueError(f"--replicas={replicas} must be at least 1")
+    if replicas == 1:
+        return world
+    if world == 1:
+        raise ValueError(f"--replicas={replicas} needs one rank per (replica, group): run "
+                         f"launch/jpprun -n {replicas}*P for {replicas} replicas of a "
+                         "P-group pipeline")
+    if world % replicas:
+        raise ValueError(f"--replicas={replicas} must divide the job's {world} ranks "
+                         f"(launch/jpprun -n {replicas}*P for {replicas} replicas of a "
+                         "P-group pipeline)")
+    if num_microbatches % replicas:
+        raise ValueError(f"--replicas={replicas} must divide --microbatches="
+                         f"{num_microbatches}: each replica runs the same number of the "
+                         "step's microbatches")
+    return world // replicas
+
+
+def refuse(message: str, world: int) -> NoReturn:
+    """Exits with `message`, which every rank reached alike: under MPI each rank prints
+    it and waits for the others first, so the launcher, which ends the job when the
+    first rank exits, cuts no rank's message short."""
+    print(f"examples/train.py: {message}", file=sys.stderr, flush=True)
+    if world > 1:
+        from mpi4py import MPI
+
+        MPI.COMM_WORLD.Barrier()
+    raise SystemExit(2)
 
 
 def predicted_bubble(sched, num_microbatches: int, trace=None) -> float:
@@ -109,6 +168,11 @@ def predicted_bubble(sched, num_microbatches: int, trace=None) -> float:
 def main(argv=None) -> int:
     args = parse_args(argv)
     world = _world_size()
+    replicas = args.replicas
+    try:
+        pipeline = pipeline_layout(world, replicas, args.num_microbatches)
+    except ValueError as e:
+        refuse(str(e), world)
     per_group = args.data_axis * args.model_axis
     if world == 1:  # local mode: every group's devices in this process
         groups = args.groups or 2
@@ -135,10 +199,11 @@ def main(argv=None) -> int:
             jax.make_mesh((groups, args.data_axis, args.model_axis),
                           ("stage", "data", "model")), "stage")
     else:
-        groups = world
-        mesh = jaxpp_mpi.make_mpmd_mesh((world, args.data_axis, args.model_axis),
-                                        ("stage", "data", "model"), "stage")
-    rank = mesh.my_mpmd_axis_index or 0
+        groups = pipeline
+        mesh = jaxpp_mpi.make_mpmd_mesh(
+            (replicas, groups, args.data_axis, args.model_axis),
+            ("replica", "stage", "data", "model"), "stage", replica_axis_name="replica")
+    rank = 0 if mesh.is_local else mesh.job_comm.Get_rank()  # the job's, every replica's
     verbose = rank == 0 and not args.quiet
     if verbose:  # compilation progress (the jaxpp_mpi logger, INFO, rank 0 only)
         handler = logging.StreamHandler(sys.stdout)
@@ -243,8 +308,10 @@ def main(argv=None) -> int:
                                         out_shardings=out_shardings)
     if verbose:
         layout = f" (data={args.data_axis}, model={args.model_axis})" if per_group > 1 else ""
+        copies = (f" x {replicas} replicas ({args.num_microbatches // replicas} "
+                  "microbatches each)") if replicas > 1 else ""
         print(f"{args.schedule}: {stages} stages on {groups} groups of {per_group} device(s)"
-              f"{layout}, {args.num_microbatches} microbatches", flush=True)
+              f"{layout}{copies}, {args.num_microbatches} microbatches", flush=True)
     # The guard covers the whole run, compiling and the final save included: a SIGTERM
     # (or SIGUSR1: what launch/jpprun makes of a SIGTERM to it) anywhere only sets a
     # flag, and every rank stops after the same step with its checkpoint saved. Without
@@ -253,7 +320,8 @@ def main(argv=None) -> int:
     with guarded as guard:
         t0 = time.perf_counter()
         compiled = step.compile(opt_state, params, batch)
-        bubble = predicted_bubble(sched, args.num_microbatches)
+        local_microbatches = args.num_microbatches // replicas  # each replica's share
+        bubble = predicted_bubble(sched, local_microbatches)
         if verbose:
             print(f"compiled in {time.perf_counter() - t0:.1f} s; bubble: the simulated idle "
                   "share (unit task times; after a --trace step, its task times)", flush=True)
@@ -302,7 +370,7 @@ def main(argv=None) -> int:
                         "step": i}
                 trace = jaxpp_mpi.trace.export(args.trace, events, mesh, other_data=info)
                 if trace is not None:
-                    bubble = predicted_bubble(sched, args.num_microbatches, trace)
+                    bubble = predicted_bubble(sched, local_microbatches, trace)
                     if verbose:
                         print(f"wrote {args.trace}", flush=True)
             if ckpt and guard.should_stop():
@@ -314,7 +382,18 @@ def main(argv=None) -> int:
                 return 0
         if ckpt:
             save(args.steps)
-    if args.no_check or rank != 0:
+    if args.no_check:
+        return 0
+    # Every rank's final parameters (each group's, in every replica) go to rank 0.
+    held = {jax.tree_util.keystr(path): np.asarray(x.first_mpmd_replica)
+            for path, x in jax.tree_util.tree_leaves_with_path(state[1])
+            if x.is_partially_addressable}
+    if mesh.is_local:
+        gathered = [held]
+    else:
+        with jaxpp_mpi.launch.deadline("parameter check", mesh.job_comm):
+            gathered = mesh.job_comm.gather(held, root=0)
+    if rank != 0:
         return 0
     # The reference: the same step in this one process, with no pipeline.
     ref_params = init_params(jax.random.PRNGKey(0))
@@ -325,12 +404,48 @@ def main(argv=None) -> int:
         o, p, loss = ref_step(*ref_state, batch)
         ref_state = (o, p)
         ref_losses.append(float(loss))
-    tol = 1e-4 if dtype == jnp.float32 else 5e-2
+    reference = {jax.tree_util.keystr(path): np.asarray(x, np.float32)
+                 for path, x in jax.tree_util.tree_leaves_with_path(ref_state[1])}
+    ranks_per_replica = 1 if mesh.is_local else groups  # local: one process holds all
+    return check_against_jit(losses, ref_losses, gathered, reference, ranks_per_replica,
+                             float32=dtype == jnp.float32)
+
+
+def check_against_jit(losses: list[float], ref_losses: list[float],
+                      gathered: list[dict], reference: dict, ranks_per_replica: int,
+                      float32: bool) -> int:
+    """Prints the largest differences from the `jax.jit` run; 1 when one is too large.
+
+    Args:
+      losses: the pipelined run's loss per step.
+      ref_losses: `jax.jit`'s loss per step.
+      gathered: per job rank, the parameters it holds by key path.
+      reference: `jax.jit`'s final parameters by key path.
+      ranks_per_replica: ranks per pipeline replica, in job rank order.
+      float32: the run's dtype is float32 (tighter tolerances than bfloat16).
+    """
+    import numpy as np
+
+    tol, param_tol = (1e-4, 1e-3) if float32 else (5e-2, 5e-2)
     diff = float(np.max(np.abs(np.array(losses) - np.array(ref_losses))))
-    print(f"max |loss - jax.jit loss| over {args.steps} steps: {diff:.3g} (tolerance {tol:g})",
-          flush=True)
-    if not diff <= tol:
-        print("MISMATCH against jax.jit", file=sys.stderr, flush=True)
+    print(f"max |loss - jax.jit loss| over {len(losses)} steps: {diff:.3g} "
+          f"(tolerance {tol:g})", flush=True)
+    missing: list[str] = []
+    param_diff = 0.0
+    for replica in range(len(gathered) // ranks_per_replica):
+        seen: set[str] = set()
+        first = replica * ranks_per_replica
+        for held in gathered[first:first + ranks_per_replica]:
+            for key, value in held.items():
+                seen.add(key)
+                error = np.abs(value.astype(np.float32) - reference[key])
+                param_diff = max(param_diff, float(error.max(initial=0.0)))
+        missing += [f"replica {replica}: {key}" for key in sorted(set(reference) - seen)]
+    print(f"max |param - jax.jit param| on {len(gathered)} rank(s): {param_diff:.3g} "
+          f"(tolerance {param_tol:g})", flush=True)
+    if missing or not (diff <= tol and param_diff <= param_tol):
+        print("MISMATCH against jax.jit" + (f"; no rank holds {missing}" if missing else ""),
+              file=sys.stderr, flush=True)
         return 1
     return 0
 
