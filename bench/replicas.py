@@ -35,8 +35,18 @@ with `num_replicas`, the same function `compile()` calls: checked equal to the c
 `2x2` program), every Run at the median measured time of its task on the `1xS`
 pipeline, every message and every AllReduce (ring model) at the stated link
 (`--bandwidth-gbs`, `--latency-us`). Its makespan with the reductions and without them
-(the same program played with one replica: every AllReduce free), and where each
-group's reductions land.
+(the same program played with one replica: every AllReduce free), where each group's
+reductions land, and the same for "before": the program with every AllReduce moved back
+to right after the definition of its buffers (`at_definition`: where
+`passes.add_replica_reductions` put it before it learnt to let the sends that follow
+the definition go first, `Note: replica reductions`).
+
+Last, a sweep of the bucket size (`--sweep-buckets-mb`, 0: one AllReduce per task and
+op, `bucket_bytes <= 0`) over replicas x stages layouts (`--sweep`, each RxS played with
+the task times of the measured `1xS` pipeline): per size, the program `build_step`
+builds with that `replica_bucket_bytes`, its AllReduces per step and largest bucket per
+group (the bytes the runtime stages into one flat buffer, `Note: messages` in
+runtime/mpi.py), and the exposed reduction time.
 
 Four ranks share the machine's cores here: step times are reported, but more ranks
 cannot make a step faster on it, and no speed-up is claimed. Rank 0 writes the JSON.
@@ -59,13 +69,11 @@ from schedules import make_data, pipelined_step, reference_step  # noqa: E402
 
 from jaxpp_mpi._src.ir.program import (  # noqa: E402
     AllReduce,
-    Free,
     GroupProgram,
     Instr,
     Program,
     Recv,
     Run,
-    Send,
     SendRecv,
 )
 from jaxpp_mpi._src.ir.simulate import (  # noqa: E402
@@ -99,12 +107,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--bandwidth-gbs", type=float, default=25.0,
                    help="the projection's link: GB/s (1e9 bytes) per direction")
     p.add_argument("--latency-us", type=float, default=10.0)
+    p.add_argument("--sweep", default="16x4,64x4,16x2,64x2",
+                   help="comma-separated RxS layouts of the bucket sweep (S: 2 or --sim-stages)")
+    p.add_argument("--sweep-buckets-mb", default="1,4,16,64,0",
+                   help="bucket sizes in MiB (0: one AllReduce per task and op)")
     p.add_argument("--quick", action="store_true", help="d=256, ffn=1024, 3 rounds")
     p.add_argument("--out", default="bench/results/replicas.json")
     args = p.parse_args(argv)
     if args.quick:
         args.width, args.ffn, args.repeats = 256, 1024, 3
     args.schedules = [s for s in args.schedules.split(",") if s]
+    try:
+        args.sweep = [tuple(int(v) for v in x.split("x")) for x in args.sweep.split(",") if x]
+        args.sweep_buckets_mb = [float(x) for x in args.sweep_buckets_mb.split(",") if x]
+    except ValueError:
+        p.error(f"--sweep wants RxS layouts (16x4,64x4), --sweep-buckets-mb numbers; got "
+                f"{args.sweep!r}, {args.sweep_buckets_mb!r}")
+    bad = [f"{r}x{s}" for r, s in args.sweep if r < 2 or s not in (2, args.sim_stages)]
+    if bad:
+        p.error(f"--sweep layouts {bad}: R >= 2 replicas and S stages, S 2 or --sim-stages "
+                f"({args.sim_stages}): the measured pipelines' task times")
     unknown = [s for s in args.schedules if s not in SCHEDULE_NAMES]
     if unknown:
         p.error(f"unknown schedule(s) {unknown}; the names are {', '.join(SCHEDULE_NAMES)}")
@@ -162,42 +184,58 @@ def program_positions(group: GroupProgram) -> list[dict[str, Any]]:
     return out
 
 
-def reads(instr: Instr) -> set[int]:
-    """The buffers an instruction reads, donates, frees or reduces (its outputs excluded)."""
-    if isinstance(instr, Run):
-        return set(instr.ins) | set(instr.donate)
-    if isinstance(instr, (Free, AllReduce)):
-        return set(instr.bufs)
-    if isinstance(instr, Send):
-        return {instr.buf}
-    if isinstance(instr, SendRecv):
-        return {instr.send_buf}
-    return set()
+def definitions(group: GroupProgram) -> dict[int, list[int]]:
+    """Buffer -> the positions defining it in `group.instrs`: -1 for an input binding,
+    else the index of the Run, Recv or SendRecv whose output or received buffer it is."""
+    defs: dict[int, list[int]] = {}
+    for b, _ in group.inputs:
+        defs.setdefault(b, []).append(-1)
+    for i, x in enumerate(group.instrs):
+        if isinstance(x, Run):
+            outs: tuple[int, ...] = x.outs
+        elif isinstance(x, Recv):
+            outs = (x.buf,)
+        elif isinstance(x, SendRecv):
+            outs = (x.recv_buf,)
+        else:
+            continue
+        for b in outs:
+            defs.setdefault(b, []).append(i)
+    return defs
 
 
-def messages_first(program: Program) -> Program:
-    """A what-if: each AllReduce moved past the messages that follow it, up to the first
-    instruction touching its buffers or the next Run.
+def at_definition(program: Program) -> Program:
+    """The "before" what-if: every AllReduce moved back to right after the definition of
+    its buffers, ahead of the sends and frees that follow it.
 
-    `passes.add_replica_reductions` places an AllReduce right after the definition of its
-    buffers, so on a group that sends an input gradient after its last backward task the
-    reduction runs before that send and the previous group's last backward waits for it.
-    This moves it after such sends (and the Frees among them); the result is verified.
+    That is where `passes.add_replica_reductions` placed them before commit 1fe32ea
+    (`Note: replica reductions`): on a group that sends an input gradient right after its
+    last backward task, the reduction then runs before that send and the previous group's
+    last backward waits for it. The AllReduces after one definition keep their order in
+    `program`. The result is verified.
+
+    Raises:
+      ValueError: for an AllReduce whose buffers are not all defined exactly once, by
+        one instruction.
     """
     from jaxpp_mpi._src.ir.simulate import verify
 
     groups = []
     for g in program.groups:
-        instrs = list(g.instrs)
-        for i in reversed([i for i, x in enumerate(instrs) if isinstance(x, AllReduce)]):
-            bufs, to = set(instrs[i].bufs), i
-            for k in range(i + 1, len(instrs)):
-                x = instrs[k]
-                if isinstance(x, (Run, AllReduce)) or reads(x) & bufs:
-                    break
-                if isinstance(x, (Send, Recv, SendRecv)):
-                    to = k
-            instrs.insert(to, instrs.pop(i))
+        rest = [x for x in g.instrs if not isinstance(x, AllReduce)]
+        defs = definitions(dataclasses.replace(g, instrs=tuple(rest)))
+        after: dict[int, list[AllReduce]] = {}
+        for x in g.instrs:
+            if isinstance(x, AllReduce):
+                where = {tuple(defs.get(b, ())) for b in x.bufs}
+                if len(where) != 1 or len(next(iter(where))) != 1:
+                    raise ValueError(f"group {g.mpmd_idx}: {x} reduces buffers not defined "
+                                     f"once by one instruction ({where})")
+                after.setdefault(next(iter(where))[0], []).append(x)
+        instrs: list[Instr] = list(after.get(-1, ()))
+        for i, x in enumerate(rest):
+            instrs.append(x)
+            instrs.extend(after.get(i, ()))
         groups.append(dataclasses.replace(g, instrs=tuple(instrs)))
     out = dataclasses.replace(program, groups=tuple(groups))
     verify(out, check_leaks=False)
@@ -357,6 +395,28 @@ def sim_summary(program: Program, latency, cost: MessageCost, replicas: int) -> 
         "hidden_fraction": 1.0 - exposed / max(per_group) if max(per_group) > 0 else None,
         "finish_ms": list(with_r.finish),
         "allreduces": overlap,
+    }
+
+
+def bucket_row(program: Program, latency, cost: MessageCost, replicas: int
+               ) -> dict[str, Any]:
+    """One size of the bucket sweep: per group the AllReduces per step and the largest
+    one's bytes (what the runtime stages at once), and `sim_summary`'s times."""
+    counts, largest = [], []
+    for g in program.groups:
+        sizes = [sum(aval_nbytes(g.aval(b)) for b in x.bufs) for x in g.instrs
+                 if isinstance(x, AllReduce)]
+        counts.append(len(sizes))
+        largest.append(max(sizes, default=0))
+    summary = sim_summary(program, latency, cost, replicas)
+    return {
+        "allreduces_per_group": counts,
+        "largest_allreduce_bytes_per_group": largest,
+        "allreduce_bytes_per_group": summary["allreduce_bytes_per_group"],
+        "makespan_ms": summary["makespan_ms"],
+        "makespan_no_reductions_ms": summary["makespan_no_reductions_ms"],
+        "exposed_ms": summary["exposed_ms"],
+        "allreduce_ms_per_group": summary["allreduce_ms_per_group"],
     }
 
 
@@ -546,31 +606,50 @@ def main() -> None:
     if rank != 0:
         return
 
-    # The projection: sim_replicas x sim_stages, task times of the measured 1xS pipeline.
+    abstract_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+
+    def project(name: str, replicas: int, stages: int, bucket_bytes: float) -> Program:
+        """The program compile() builds for `replicas` x `stages`, `--sim-microbatches`
+        per replica, with AllReduces of at most `bucket_bytes`."""
+        global_n = replicas * args.sim_microbatches
+        big_batch = tuple(jax.ShapeDtypeStruct((global_n, *x.shape[1:]), x.dtype)
+                          for x in batch)
+        return build_step(pipelined_step(schedule_by_name(name, stages), global_n),
+                          (abstract_params, big_batch), stages, num_replicas=replicas,
+                          replica_bucket_bytes=bucket_bytes).program
+
+    # The projection: sim_replicas x sim_stages, task times of the measured 1xS pipeline;
+    # "now" is the compiled program, "before" the what-if `at_definition` of it.
     projection = {}
-    big_n = args.sim_replicas * args.sim_microbatches
     for name in args.schedules:
-        src = results[f"{name} 1x{s}"]
+        latency = run_latency(results[f"{name} 1x{s}"]["task_part_ms"])
         sched = schedule_by_name(name, s)
-        big_batch = tuple(jax.ShapeDtypeStruct((big_n, *x.shape[1:]), x.dtype) for x in batch)
-        abstract = (jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params),
-                    big_batch)
         start = time.perf_counter()
-        program = build_step(pipelined_step(sched, big_n), abstract, s,
-                             num_replicas=args.sim_replicas, replica_bucket_bytes=bucket).program
-        summary = sim_summary(program, run_latency(src["task_part_ms"]), link,
-                              args.sim_replicas)
+        program = project(name, args.sim_replicas, s, bucket)
+        build_s = time.perf_counter() - start
+        summary = sim_summary(program, latency, link, args.sim_replicas)
         summary["program_positions"] = [program_positions(g) for g in program.groups]
-        summary["build_s"] = time.perf_counter() - start
-        moved = messages_first(program)
-        summary["messages_first"] = sim_summary(moved, run_latency(src["task_part_ms"]), link,
-                                                args.sim_replicas)
-        summary["messages_first"]["program_positions"] = [program_positions(g)
-                                                          for g in moved.groups]
+        summary["build_s"] = build_s
+        before = at_definition(program)
+        summary["before"] = sim_summary(before, latency, link, args.sim_replicas)
+        summary["before"]["program_positions"] = [program_positions(g) for g in before.groups]
         summary["param_bytes_per_group"] = [
             stage_param_bytes(np_params, st, sched.num_stages)
             for st in group_stages(sched, args.sim_microbatches)]
         projection[name] = summary
+
+    # The bucket sweep: per layout and size, the compiled program's AllReduces and cost.
+    sweep: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    for name in args.schedules:
+        sweep[name] = {}
+        for replicas, stages in args.sweep:
+            latency = run_latency(results[f"{name} 1x{stages}"]["task_part_ms"])
+            rows = []
+            for mb in args.sweep_buckets_mb:
+                program = project(name, replicas, stages, mb * (1 << 20))
+                rows.append({"bucket_mb": mb, **bucket_row(program, latency, link, replicas)})
+            sweep[name][f"{replicas}x{stages}"] = rows
+            print(f"swept {name} {replicas}x{stages}", flush=True)
 
     result = {
         "benchmark": "replicas",
@@ -591,6 +670,8 @@ def main() -> None:
         "loss_stack_bytes": loss_bytes,
         "pipelines": results,
         "projection": projection,
+        "bucket_sweep": {"buckets_mb": args.sweep_buckets_mb,
+                         "layouts": [f"{r}x{st}" for r, st in args.sweep], "rows": sweep},
     }
     write_json(args.out, result)
     report(result)
@@ -620,12 +701,19 @@ def report(result: dict[str, Any]) -> None:
           f"{link['microbatches_per_replica']} microbatches each, {link['bandwidth_gbs']} GB/s, "
           f"{link['latency_us']} us")
     for name, p in result["projection"].items():
-        m = p["messages_first"]
-        print(f"{name:<12} no reductions {p['makespan_no_reductions_ms']:.2f} ms; with: "
-              f"{p['makespan_ms']:.2f} (exposed {p['exposed_ms']:.2f}), messages first "
-              f"{m['makespan_ms']:.2f} (exposed {m['exposed_ms']:.2f}); all-reduce ms per "
+        b = p["before"]
+        print(f"{name:<12} no reductions {p['makespan_no_reductions_ms']:.2f} ms; before "
+              f"{b['makespan_ms']:.2f} (exposed {b['exposed_ms']:.2f}), now "
+              f"{p['makespan_ms']:.2f} (exposed {p['exposed_ms']:.2f}); all-reduce ms per "
               f"group {[round(x, 2) for x in p['allreduce_ms_per_group']]}", flush=True)
-
+    print("bucket sweep: exposed ms (all-reduces per step, largest group's) per bucket MiB")
+    for name, layouts in result["bucket_sweep"]["rows"].items():
+        for layout, rows in layouts.items():
+            cells = "; ".join(f"{r['bucket_mb']:g}: {r['exposed_ms']:.2f} "
+                              f"({sum(r['allreduces_per_group'])}, "
+                              f"{max(r['largest_allreduce_bytes_per_group']) / (1 << 20):.1f} MiB)"
+                              for r in rows)
+            print(f"{name:<12} {layout:<6} {cells}", flush=True)
 
 if __name__ == "__main__":
     main()

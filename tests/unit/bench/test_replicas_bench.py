@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -10,20 +11,22 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
 import replicas as bench  # noqa: E402
 
-from jaxpp_mpi._src.ir.program import AllReduce, Free, Program, Run, Send  # noqa: E402
+from jaxpp_mpi._src.ir.passes import add_replica_reductions  # noqa: E402
+from jaxpp_mpi._src.ir.program import AllReduce, Free, Program, Recv, Run, Send  # noqa: E402
 from jaxpp_mpi._src.ir.simulate import MessageCost  # noqa: E402
 from jaxpp_mpi.trace import TraceEvent  # noqa: E402
 
-# Group 1 finishes its stage's gradient (%2, 80 bytes), all-reduces it, then sends the
-# input gradient (%1, 4 bytes) that group 0's backward needs: the order
-# `passes.add_replica_reductions` gives (right after the definition).
+# Group 1 finishes its stage's gradient (%2, 80 bytes), sends the input gradient (%1, 4
+# bytes) that group 0's backward needs, frees, then all-reduces %2: the order
+# `passes.add_replica_reductions` gives now (past the sends and frees that follow the
+# definition; on group 0 past the free).
 PROGRAM = """\
 group 0
   inputs %0=0
   recv %1 <- 1 tag=0 float32[1]
   run b0 (%0, %1) -> (%2)  task=B0s0
-  allreduce (%2) op=sum
   free %0 %1
+  allreduce (%2) op=sum
   outputs %2=0
   aval %0 float32[1]
   aval %1 float32[1]
@@ -31,12 +34,24 @@ group 0
 group 1
   inputs %0=1
   run b1 (%0) -> (%1, %2)  task=B0s1
-  allreduce (%2) op=sum
   send %1 -> 0 tag=0
   free %0 %1
+  allreduce (%2) op=sum
   outputs %2=1
   aval %0 float32[1]
   aval %1 float32[1]
+  aval %2 float32[20]
+"""
+
+# One group, two 80-byte gradients of one task, not yet reduced (the bucket sweep).
+TWO_GRADIENTS = """\
+group 0
+  inputs %0=0
+  run b0 (%0) -> (%1, %2)  task=B0s0
+  free %0
+  outputs %1=0 %2=1
+  aval %0 float32[1]
+  aval %1 float32[20]
   aval %2 float32[20]
 """
 
@@ -67,32 +82,69 @@ def test_is_backward():
 
 def test_program_positions(program):
     assert bench.program_positions(program.group(1)) == [{
-        "index": 1, "bufs": 1, "last_backward_before": 0, "last_backward_task": "B0s1",
-        "instructions_since": 1, "backward_runs_after": 0, "length": 4}]
+        "index": 3, "bufs": 1, "last_backward_before": 0, "last_backward_task": "B0s1",
+        "instructions_since": 3, "backward_runs_after": 0, "length": 4}]
 
 
-def test_messages_first_moves_the_reduction_after_the_send(program):
-    moved = bench.messages_first(program)
-    assert [type(x) for x in moved.group(1).instrs] == [Run, Send, AllReduce, Free]
-    assert moved.group(0) == program.group(0)  # nothing to move past
+def test_program_is_what_the_pass_builds(program):
+    # The premise of the "now" column: the compiler's pass puts the AllReduce past the send.
+    bare = Program(tuple(dataclasses.replace(g, instrs=tuple(
+        x for x in g.instrs if not isinstance(x, AllReduce))) for g in program.groups))
+    assert add_replica_reductions(bare, {0: [(2, "sum")], 1: [(2, "sum")]}, 16 << 20) == program
+
+
+def test_at_definition_moves_the_reduction_before_the_send(program):
+    before = bench.at_definition(program)
+    assert [type(x) for x in before.group(1).instrs] == [Run, AllReduce, Send, Free]
+    assert [type(x) for x in before.group(0).instrs] == [Recv, Run, AllReduce, Free]
+    assert bench.at_definition(before) == before
+
+
+def test_at_definition_refuses_a_bucket_of_two_definitions():
+    p = Program.parse(TWO_GRADIENTS.replace(
+        "run b0 (%0) -> (%1, %2)  task=B0s0",
+        "run b0 (%0) -> (%1)  task=B0s0\n  run c0 (%0) -> (%2)  task=W0s0",
+    ).replace("  free %0\n", "  allreduce (%1, %2) op=sum\n  free %0\n"))
+    with pytest.raises(ValueError, match="not defined once by one instruction"):
+        bench.at_definition(p)
 
 
 def test_sim_summary_hand_computed(program):
-    # As placed: group 1 runs B [0,1], its AllReduce [1,6], the send [6,6.25]; group 0
-    # then B [6.25,7.25] and its AllReduce [7.25,12.25]. Without reductions: 2.25.
+    # Now: group 1 runs B [0,1], the send [1,1.25], its AllReduce [1.25,6.25]; group 0
+    # its B [1.25,2.25] (a fifth of group 1's AllReduce) and AllReduce [2.25,7.25].
+    # Without reductions: 2.25.
     s = bench.sim_summary(program, latency, COST, replicas=2)
-    assert s["makespan_ms"] == pytest.approx(12.25)
+    assert s["makespan_ms"] == pytest.approx(7.25)
     assert s["makespan_no_reductions_ms"] == pytest.approx(2.25)
-    assert s["exposed_ms"] == pytest.approx(10.0)
+    assert s["exposed_ms"] == pytest.approx(5.0)
     assert s["allreduce_ms_per_group"] == pytest.approx([5.0, 5.0])
     assert s["allreduce_bytes_per_group"] == [80, 80]
-    assert [a["overlap_backward_elsewhere"] for a in s["allreduces"]] == [0.0, 0.0]
-    # Messages first: the send [1,1.25], group 1's AllReduce [1.25,6.25]; group 0's B
-    # [1.25,2.25] (a fifth of it) and AllReduce [2.25,7.25].
-    m = bench.sim_summary(bench.messages_first(program), latency, COST, replicas=2)
-    assert m["makespan_ms"] == pytest.approx(7.25)
-    assert m["exposed_ms"] == pytest.approx(5.0)
-    assert [a["overlap_backward_elsewhere"] for a in m["allreduces"]] == pytest.approx([0.0, 0.2])
+    assert [a["overlap_backward_elsewhere"] for a in s["allreduces"]] == pytest.approx([0.0, 0.2])
+    # Before: group 1's AllReduce [1,6], the send [6,6.25]; group 0's B [6.25,7.25] and
+    # AllReduce [7.25,12.25]: the reductions in series.
+    b = bench.sim_summary(bench.at_definition(program), latency, COST, replicas=2)
+    assert b["makespan_ms"] == pytest.approx(12.25)
+    assert b["exposed_ms"] == pytest.approx(10.0)
+    assert [a["overlap_backward_elsewhere"] for a in b["allreduces"]] == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("bucket_bytes, count, largest, exposed", [
+    # Ring over 2 replicas with a 0.1 latency: 80 B / 16 + 2 x 0.1 = 5.2 per 80-byte
+    # bucket; one 160-byte bucket: 10 + 0.2.
+    (80, 2, 80, 10.4),
+    (100, 2, 80, 10.4),
+    (160, 1, 160, 10.2),
+    (0, 1, 160, 10.2),
+])
+def test_bucket_row_hand_computed(bucket_bytes, count, largest, exposed):
+    p = add_replica_reductions(Program.parse(TWO_GRADIENTS), {0: [(1, "sum"), (2, "sum")]},
+                               bucket_bytes)
+    row = bench.bucket_row(p, latency, MessageCost(latency=0.1, bandwidth=16.0), replicas=2)
+    assert row["allreduces_per_group"] == [count]
+    assert row["largest_allreduce_bytes_per_group"] == [largest]
+    assert row["allreduce_bytes_per_group"] == [160]
+    assert row["makespan_no_reductions_ms"] == pytest.approx(1.0)
+    assert row["exposed_ms"] == pytest.approx(exposed)
 
 
 def _task(name, group, start, end):
