@@ -18,8 +18,9 @@ Variables:
   JAXPP_MPI_HEAP_TUNING: `1` (default): the MPI executor keeps large host buffers in the
     C heap (see `Note: large buffers` in mpi/heap.py); `0` leaves glibc's defaults.
   JAXPP_MPI_REPLICA_BUCKET_MB: with pipeline replicas, the most MiB of loop outputs
-    (gradients) one all-reduce across replicas carries (default 16; `0`: one all-reduce
-    per task's results; `Note: replica reductions` in ir/passes.py).
+    (gradients) one all-reduce across replicas carries (default 64, chosen by
+    bench/replicas.py; `0`: one all-reduce per task's results; `Note: replica
+    reductions` in ir/passes.py).
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ class Options:
     deadline_s: float | None = None
     auto_deadline_s: float = 300.0
     work_factor: float = 5.0
-    replica_bucket_bytes: int = 16 << 20
+    replica_bucket_bytes: int = 64 << 20
 
 
 def _float(env: Mapping[str, str], name: str, default: float) -> float:
@@ -120,7 +121,7 @@ def parse_options(env: Mapping[str, str]) -> Options:
         watchdog_grace_s=_float(env, "JAXPP_MPI_WATCHDOG_GRACE", 5.0),
         abort_on_exception=_flag(env, "JAXPP_MPI_ABORT_ON_EXCEPTION"),
         heap_tuning=_flag(env, "JAXPP_MPI_HEAP_TUNING"),
-        replica_bucket_bytes=int(_float(env, "JAXPP_MPI_REPLICA_BUCKET_MB", 16.0) * (1 << 20)),
+        replica_bucket_bytes=int(_float(env, "JAXPP_MPI_REPLICA_BUCKET_MB", 64.0) * (1 << 20)),
     )
 
 

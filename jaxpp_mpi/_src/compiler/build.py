@@ -390,7 +390,7 @@ def build_step(
     what: str = "the step",
     mesh: MpmdMesh | None = None,
     num_replicas: int = 1,
-    replica_bucket_bytes: int = 16 << 20,
+    replica_bucket_bytes: int = 64 << 20,
     replica_dims: Sequence[int | None] | None = None,
     arg_names: Sequence[str] | None = None,
 ) -> StepPlan:
