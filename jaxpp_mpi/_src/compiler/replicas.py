@@ -22,7 +22,9 @@ Note: replicas.
 
   The reductions are `AllReduce` instructions (ir/instructions.py) placed by
   `passes.add_replica_reductions` (`Note: replica reductions`) over the group's replica
-  communicator. Messages never cross replicas, so an AllReduce cannot deadlock against
+  communicator; an output a forward finishes (a loss) waits for the group's last
+  backward, unless something reads it earlier, so replicas meet only where gradients
+  are reduced. Messages never cross replicas, so an AllReduce cannot deadlock against
   them: the program verified for one replica holds for R.
 """
 
@@ -40,8 +42,9 @@ from jax.extend import core as jex_core
 from jaxpp_mpi._src.compiler.task_graph import Value
 from jaxpp_mpi._src.errors import CompileError
 from jaxpp_mpi._src.ir import passes
-from jaxpp_mpi._src.ir.program import Program
+from jaxpp_mpi._src.ir.program import Program, Run
 from jaxpp_mpi._src.ir.simulate import verify
+from jaxpp_mpi._src.schedules.tasks import parse_label
 from jaxpp_mpi._src.treduce import Add, Concat, Max, Op
 
 __all__ = ["add_reductions", "local_microbatches", "localize", "localize_split", "reduce_op",
@@ -74,6 +77,19 @@ def reduce_op(op: Op, dtype: str) -> str:
     raise CompileError(f"no reduction across pipeline replicas for treduce op {op!r}")
 
 
+def _last_backward(program: Program) -> dict[int, int]:
+    """Per group, the position of its last Run of a backward task (B, I or W): a loop
+    output a forward finishes (a loss) is reduced after it, with the gradients, so the
+    replicas do not wait for each other in the middle of the loop."""
+    out = {}
+    for g in program.groups:
+        for i, instr in enumerate(g.instrs):
+            if isinstance(instr, Run) and any(
+                    part.kind in "BIW" for part in parse_label(instr.task)):
+                out[g.mpmd_idx] = i
+    return out
+
+
 def add_reductions(program: Program, buffer_names: Sequence[Mapping[int, Value]],
                    loop_outs: Sequence[Value], out_groups: Sequence[int],
                    ops: Sequence[Op], bucket_bytes: int) -> Program:
@@ -100,7 +116,8 @@ def add_reductions(program: Program, buffer_names: Sequence[Mapping[int, Value]]
             continue
         aval = program.group(g).aval(buf)
         reductions.setdefault(g, []).append((buf, reduce_op(op, aval.dtype)))
-    out = passes.add_replica_reductions(program, reductions, bucket_bytes)
+    out = passes.add_replica_reductions(program, reductions, bucket_bytes,
+                                        not_before=_last_backward(program))
     verify(out)
     return out
 

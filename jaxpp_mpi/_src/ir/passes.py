@@ -366,6 +366,18 @@ def _buckets(
     return out
 
 
+def _used_between(instrs: Sequence[Instr], i: int, j: int, bufs: set[int]) -> bool:
+    """Whether an instruction after `i`, up to `j`, reads, sends or frees one of `bufs`
+    (so their AllReduce cannot wait past it)."""
+    for instr in instrs[i + 1:j + 1]:
+        used = (set(instr.bufs) if isinstance(instr, Free) else
+                set(instr.ins) if isinstance(instr, Run) else
+                {s[0]} if (s := send_half(instr)) is not None else set())
+        if used & bufs:
+            return True
+    return False
+
+
 def _past_sends(instrs: Sequence[Instr], i: int, bufs: set[int]) -> int:
     """The position after which an AllReduce of `bufs` defined at `i` goes: past the
     sends and frees that directly follow `i` and touch none of `bufs` (`Note: replica
@@ -381,7 +393,7 @@ def _past_sends(instrs: Sequence[Instr], i: int, bufs: set[int]) -> int:
 
 
 def _add_reductions(
-    g: GroupProgram, pairs: Sequence[tuple[int, str]], bucket_bytes: float
+    g: GroupProgram, pairs: Sequence[tuple[int, str]], bucket_bytes: float, floor: int = -1
 ) -> GroupProgram:
     a, defs, avals = g.mpmd_idx, _definitions(g), g.aval_map
     # defining position -> op -> buffers, both in order of first appearance in `pairs`
@@ -410,8 +422,13 @@ def _add_reductions(
     after: dict[int, list[AllReduce]] = defaultdict(list)
     for i, ops in by_def.items():
         for op, bufs in ops.items():
-            for r in _buckets(bufs, avals, op, bucket_bytes):
-                after[_past_sends(g.instrs, i, set(r.bufs))].append(r)
+            # A buffer waits for `floor` unless something uses it before (then it is
+            # reduced right after its definition); each side is bucketed apart.
+            late = max(i, floor)
+            early = [b for b in bufs if late > i and _used_between(g.instrs, i, late, {b})]
+            for at, part in ((i, early), (late, [b for b in bufs if b not in early])):
+                for r in _buckets(part, avals, op, bucket_bytes):
+                    after[_past_sends(g.instrs, at, set(r.bufs))].append(r)
     instrs: list[Instr] = list(after.get(-1, ()))
     for i, instr in enumerate(g.instrs):
         instrs.append(instr)
@@ -423,6 +440,7 @@ def add_replica_reductions(
     program: Program,
     reductions: Mapping[int, Sequence[tuple[int, str]]],
     bucket_bytes: float,
+    not_before: Mapping[int, int] | None = None,
 ) -> Program:
     """Combines buffers across pipeline replicas: AllReduce right after their definition.
 
@@ -458,6 +476,9 @@ def add_replica_reductions(
       bucket_bytes: the largest total size (`aval_nbytes`) of one AllReduce; a buffer
         larger than that gets one of its own; `<= 0` puts all the buffers of one
         instruction and op into one AllReduce.
+      not_before: group index -> an instruction position: that group's AllReduces go
+        after it too (a buffer defined earlier waits there; e.g. a loss finished by a
+        forward waits for the group's last backward, so replicas do not meet mid-loop).
 
     Returns:
       The program with the AllReduce instructions inserted. Buckets are filled in the
@@ -476,5 +497,6 @@ def add_replica_reductions(
                 f"replica reductions for group {a}, but the program has {len(groups)} groups"
             )
         if pairs:
-            groups[a] = _add_reductions(groups[a], pairs, bucket_bytes)
+            floor = (not_before or {}).get(a, -1)
+            groups[a] = _add_reductions(groups[a], pairs, bucket_bytes, floor)
     return Program(tuple(groups))

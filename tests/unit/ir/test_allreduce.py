@@ -465,3 +465,17 @@ def test_local_executor_runs_allreduce_as_identity():
             out = executor.run([w0, x, w1])
         for got, want in zip(out, expected, strict=True):
             np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+
+
+def test_replica_reductions_wait_for_not_before_unless_used_earlier():
+    act = Aval((4,), "float32")
+    g = GroupProgram(0, {}, (Run("f", (), (1, 2), task="F0s0"), Run("c", (2,), (3,)),
+                             Run("b", (), (4,), task="B0s0")), {1: 0, 3: 1, 4: 2},
+                     {1: act, 2: act, 3: act, 4: act})
+    out = add_replica_reductions(Program((g,)), {0: [(1, "sum"), (2, "sum"), (4, "sum")]},
+                                 0, not_before={0: 2})
+    # %1 (read by nothing) waits for the last backward; %2 is read by `c`, so not
+    assert out.group(0).instrs == (g.instrs[0], AllReduce((2,), "sum"), g.instrs[1],
+                                   g.instrs[2], AllReduce((1,), "sum"),
+                                   AllReduce((4,), "sum"))
+    verify(add_frees(out))
