@@ -2,9 +2,11 @@
 
 Runs under `launch/jpprun -n 4`: 2 replicas x 2 groups (any even size: 2 x SIZE/2), and
 beside it, for "onto one replica", each half of the ranks as a 1 x SIZE/2 job on a
-sub-communicator. Every check is against `jax.jit` on the global batch or numpy
-(Note: Checkpoints with replicas in checkpoint/store.py, Note: trace format in
-timeline/chrome.py).
+sub-communicator, and for "onto another stage count", all ranks as a 1 x SIZE job. The
+model is `mlp` with SIZE layers, two per stage on 2 replicas and one per stage on
+SIZE groups. Every check is against `jax.jit` on the global batch or numpy (Note:
+Checkpoints with replicas in checkpoint/store.py, Note: Reshard utility in
+reshard/cli.py, Note: trace format in timeline/chrome.py).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding
@@ -52,6 +55,23 @@ def _held(tree) -> list[np.ndarray | None]:
             for x in jax.tree.leaves(tree)]
 
 
+def _every_value(tree) -> list[np.ndarray]:
+    """Every leaf's value on every rank, taken from the first rank holding it."""
+    held = WORLD.allgather(_held(tree))
+    return [next(h[i] for h in held if h[i] is not None) for i in range(len(held[0]))]
+
+
+def _two_layers_per_stage(params, mb):
+    """`mlp`'s loss with a stage mark after every second layer (same math, half the
+    stages)."""
+    x, y = mb
+    for i, (w, b) in enumerate(params):
+        x = jnp.tanh(x @ w + b)
+        if i % 2:
+            x = jaxpp_mpi.mark_stage_end(x)
+    return jnp.mean((x - y) ** 2), {"max": jnp.max(x)}
+
+
 def _shared_dir(factory, name: str) -> str:
     """Rank 0's fresh directory, on every rank (one host: one file system)."""
     return WORLD.bcast(str(factory.mktemp(name)) if RANK == 0 else None, root=0)
@@ -71,9 +91,8 @@ def meshes():
 @pytest.fixture(scope="module")
 def run(meshes, tmp_path_factory):
     """Two adam steps with 2 replicas, saved; the jax.jit reference of three steps."""
-    sched = schedule("1f1b", GROUPS)
-    params, batch, loss_fn = mlp(sched.num_stages, 2 * GROUPS)
-    step, opt = make_step(loss_fn, sched)
+    params, batch, _ = mlp(2 * GROUPS, 2 * GROUPS)
+    step, opt = make_step(_two_layers_per_stage, schedule("1f1b", GROUPS))
     start = (opt.init(params), params)
     jitted = jax.jit(step)
     reference = {2: run_steps(jitted, *start, batch, steps=2)}
@@ -116,6 +135,55 @@ def test_restored_state_continues_like_the_two_replica_run(run, restored):
     assert_close_to_reference(run["reference"][3], two)
     assert_close_to_reference(run["reference"][3], one)
     compared = assert_close_to_reference(two, one)
+    _everywhere(compared > 0)
+
+
+@pytest.fixture(scope="module")
+def repartitioned(run):
+    """The 2-replica save repartitioned by the reshard utility to the placement of the
+    same model on 1 replica x SIZE groups (one layer per group), and restored there."""
+    mesh = jaxpp_mpi.make_mpmd_mesh((1, SIZE, K), NAMES, "stage", replica_axis_name="replica")
+    _, _, one_layer_per_stage = mlp(SIZE, 2 * GROUPS)
+    step, _ = make_step(one_layer_per_stage, schedule("1f1b", SIZE))
+    fn = jaxpp_mpi.mpmd_jit_with_loop(step, mpmd_mesh=mesh)
+    args, _ = fn.compile(*run["start"], run["batch"]).in_shardings
+    plan = os.path.join(run["root"], f"plan-{SIZE}.json")
+    checkpoint.save_plan(plan, tuple(args[:2]), like=run["start"])
+    path = os.path.join(run["root"], f"two-on-{SIZE}")
+    moved = convert("repartition", os.path.join(run["root"], "two"), path, plan,
+                    Ranks(WORLD, "test repartition"), log=lambda _: None)
+    shardings = checkpoint.load_plan(plan).shardings_like(run["start"], mesh)
+    state = checkpoint.restore(path, run["start"], shardings=shardings)
+    return {"fn": fn, "state": state, "path": path, "moved": moved,
+            "expected": jax.tree.leaves(tuple(args[:2]))}
+
+
+@pytest.mark.mpi(min_size=4)
+def test_two_replica_save_repartitions_bit_exact_onto_more_stages(run, repartitioned):
+    manifest = checkpoint.read_manifest(repartitioned["path"])
+    source = checkpoint.read_manifest(os.path.join(run["root"], "two"))
+    expected = repartitioned["expected"]  # the SIZE-group step's own input shardings
+    assert manifest.step == 2 and manifest.mpmd_dim == SIZE and source.mpmd_dim == GROUPS
+    assert [leaf.placement.mesh_ids for leaf in manifest.leaves] == [
+        s.mesh_ids for s in expected]
+    assert repartitioned["moved"] == (len(source.leaves),
+                                      sum(leaf.nbytes for leaf in source.leaves))
+    # Layer i (w, b: the last leaves) of the SIZE layers now lives on group i alone.
+    assert len(run["trained"][1]) == SIZE
+    assert [s.mesh_ids for s in expected[-2 * SIZE:]] == [
+        (i,) for i in range(SIZE) for _ in range(2)]
+    want, got = _every_value(run["trained"]), _held(repartitioned["state"])
+    problems = [i for i, (a, b, s) in enumerate(zip(want, got, expected))
+                if (b is not None) != (RANK in s.mesh_ids)
+                or (b is not None and not np.array_equal(bits(a), bits(b)))]
+    _everywhere(not problems and any(b is not None for b in got),
+                f"rank {RANK}: leaves {problems} differ or are misplaced")
+
+
+@pytest.mark.mpi(min_size=4)
+def test_repartitioned_state_continues_like_jax_jit(run, repartitioned):
+    out = repartitioned["fn"](*repartitioned["state"], run["batch"])
+    compared = assert_close_to_reference(run["reference"][3], out)
     _everywhere(compared > 0)
 
 
