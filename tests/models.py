@@ -141,8 +141,8 @@ def held_values(tree) -> list:
     out = []
     for x in jax.tree.leaves(tree):
         if isinstance(x, jaxpp_mpi.MpmdArray):
-            out.append(np.asarray(x.first_mpmd_replica) if x.is_partially_addressable
-                       else None)
+            held = list(x.local_arrays.values())  # any group's replica held here
+            out.append(np.asarray(held[0]) if held else None)
         else:
             out.append(np.asarray(x))
     return out

@@ -229,8 +229,13 @@ class MpmdFunction:
 
     def _closed_jaxpr(self, call: Call) -> jex_core.ClosedJaxpr:
         """The whole step traced for `call` (`MpmdCompiled.closed_jaxpr`), as `build_step`
-        traces it: over the flat dynamic arguments, under the mesh's abstract copy."""
-        leaves, tree = jax.tree.flatten(self._abstract(call))
+        traces it: over the flat dynamic arguments (a replica's share as the global
+        array), under the mesh's abstract copy."""
+        axis = self.mpmd_mesh.mpmd_axis_name
+        specs = [spec_entries(s, "in_shardings", axis)
+                 for s in self._in_specs(call, jax.tree.structure(call.dynamic))]
+        replica_dims, _ = self._replica_shares(specs)
+        leaves, tree = jax.tree.flatten(self._abstract(call, replica_dims))
         bound = call.bind(self.fun)
 
         def flat(*xs: Any) -> Any:

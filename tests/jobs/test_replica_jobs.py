@@ -99,8 +99,9 @@ def test_exception_in_one_replica_ends_the_whole_job():
                                 FAULT_STAMP="1")
     assert rc != 0, out
     assert "deliberate failure in stage 1 of replica 1 on rank 3" in out, out
-    tracebacks = re.findall(r"^\[rank \d\] Traceback \(most recent call last\):$", out, re.M)
-    assert tracebacks == ["[rank 3] Traceback (most recent call last):"], out
+    # Not anchored to line starts: mpirun may interleave another rank's unfinished line.
+    tracebacks = re.findall(r"\[rank (\d)\] Traceback \(most recent call last\):", out)
+    assert tracebacks == ["3"], out
     assert out.count("jaxpp_mpi: aborting the MPI job after an uncaught") == 1, out
     assert "finished" not in out, out
     assert not _still_running(tag)

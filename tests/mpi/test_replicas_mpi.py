@@ -165,3 +165,34 @@ def test_share_read_outside_the_loop_is_refused_on_every_rank(meshes):
     with pytest.raises(jaxpp_mpi.CompileError, match="split over the pipeline replicas"):
         fn(opt.init(params), params, mine)
     np.testing.assert_equal(WORLD.allgather(1), [1] * SIZE)
+
+
+@pytest.mark.mpi(min_size=4)
+def test_a_signal_to_one_replica_stops_every_replica(meshes):
+    """Preemption decides over the whole job: a SIGUSR1 caught by the last rank alone
+    (a rank of replica 1) makes should_stop() true on every rank of both replicas."""
+    import os
+    import signal
+
+    with jaxpp_mpi.PreemptionGuard(meshes[2]) as guard:
+        first = guard.should_stop()
+        if RANK == SIZE - 1:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        WORLD.Barrier()
+        second = guard.should_stop()
+    assert WORLD.allgather((first, second)) == [(False, True)] * SIZE
+
+
+@pytest.mark.mpi(min_size=4)
+def test_closed_jaxpr_of_a_share_is_the_global_step(meshes):
+    from jax.sharding import PartitionSpec as P
+
+    mesh = meshes[2]
+    sched = schedule("1f1b", mesh.mpmd_dim)
+    params, batch, loss_fn = mlp(sched.num_stages, 4)
+    step, opt = make_step(loss_fn, sched)
+    fn = jaxpp_mpi.mpmd_jit_with_loop(step, mpmd_mesh=mesh,
+                                      in_shardings=(None, None, P("replica")))
+    compiled = fn.compile(opt.init(params), params, _share(batch, mesh.replica_idx, 2))
+    want = jax.make_jaxpr(step)(opt.init(params), params, batch).in_avals
+    assert [a.shape for a in compiled.closed_jaxpr.in_avals] == [a.shape for a in want]
