@@ -284,13 +284,20 @@ def assert_same_history(got: list[Any], want: list[Any]) -> None:
 
 # ------------------------------------------------------------------------------ the tests
 
+def repeats_steady_state(schedule: str, groups: int, microbatches: int) -> bool:
+    """8 microbatches on 2 groups of one stage each: the 4-microbatch case already runs
+    past warm-up into the steady state (2x the stages), with the same executables."""
+    one_stage = SCHEDULES[schedule](groups).num_stages == groups
+    return one_stage and groups == 2 and microbatches == 8
+
+
 MATRIX = [
     pytest.param(model, name, groups, mbs, id=f"{model}-{name}-S{groups}-mb{mbs}")
     for model in MODELS
     for name in SCHEDULES
     for groups in (2, 4)
     for mbs in (4, 8)
-    if not rejects(name, groups, mbs)
+    if not rejects(name, groups, mbs) and not repeats_steady_state(name, groups, mbs)
 ]
 
 
