@@ -44,6 +44,15 @@ def meshes():
         replica_axis_name="replica", axis_types=(AxisType.Auto,) * 4)}
 
 
+def _problem(mesh, sched_name: str, num_microbatches: int, **mlp_args):
+    """The MLP training step of `tests/models.py` for `mesh`: (step, optimizer, params,
+    batch)."""
+    sched = schedule(sched_name, mesh.mpmd_dim)
+    params, batch, loss_fn = mlp(sched.num_stages, num_microbatches, **mlp_args)
+    step, opt = make_step(loss_fn, sched)
+    return step, opt, params, batch
+
+
 def _share(batch, replica: int, size: int):
     """A replica's consecutive block of `size` microbatches of every batch leaf."""
     return jax.tree.map(lambda x: x[replica * size:(replica + 1) * size], batch)
@@ -58,9 +67,7 @@ def _everywhere(ok: bool, detail: str = "") -> None:
 @pytest.mark.parametrize("sched_name", SCHEDULES)
 def test_two_replicas_match_jit_every_schedule(meshes, sched_name):
     mesh = meshes[2]
-    sched = schedule(sched_name, mesh.mpmd_dim)
-    params, batch, loss_fn = mlp(sched.num_stages, 8)
-    step, opt = make_step(loss_fn, sched)
+    step, opt, params, batch = _problem(mesh, sched_name, 8)
     opt_state = opt.init(params)
     reference = run_steps(jax.jit(step), opt_state, params, batch)
     fn = jaxpp_mpi.mpmd_jit_with_loop(step, mpmd_mesh=mesh)
@@ -75,9 +82,7 @@ def test_two_replicas_match_jit_every_schedule(meshes, sched_name):
 @pytest.mark.mpi(min_size=4)
 def test_one_replica_same_script(meshes):
     mesh = meshes[1]
-    sched = schedule("1f1b", mesh.mpmd_dim)
-    params, batch, loss_fn = mlp(sched.num_stages, mesh.mpmd_dim)
-    step, opt = make_step(loss_fn, sched)
+    step, opt, params, batch = _problem(mesh, "1f1b", mesh.mpmd_dim)
     opt_state = opt.init(params)
     reference = run_steps(jax.jit(step), opt_state, params, batch)
     pipelined = run_steps(jaxpp_mpi.mpmd_jit_with_loop(step, mpmd_mesh=mesh),
@@ -98,9 +103,7 @@ def test_replica_mesh_layout(meshes):
 @pytest.mark.mpi(min_size=4)
 def test_microbatches_not_divisible_by_replicas_rejected_on_every_rank(meshes):
     mesh = meshes[2]
-    sched = schedule("1f1b", mesh.mpmd_dim)
-    params, batch, loss_fn = mlp(sched.num_stages, 3)
-    step, opt = make_step(loss_fn, sched)
+    step, opt, params, batch = _problem(mesh, "1f1b", 3)
     with pytest.raises(jaxpp_mpi.CompileError, match="multiple of 2 microbatches"):
         jaxpp_mpi.mpmd_jit_with_loop(step, mpmd_mesh=mesh)(opt.init(params), params, batch)
     np.testing.assert_equal(WORLD.allgather(1), [1] * SIZE)
@@ -112,10 +115,8 @@ def test_sharded_replicas_match_jit(meshes, sched_name):
     """Weights split Megatron-style over the group's "model" axis (K devices per rank):
     the replicas' AllReduce moves each value shard by shard."""
     mesh = meshes["model"]
-    sched = schedule(sched_name, mesh.mpmd_dim)
-    params, batch, loss_fn = mlp(sched.num_stages, 4, width=8 * K, rows=2 * K)
+    step, opt, params, batch = _problem(mesh, sched_name, 4, width=8 * K, rows=2 * K)
     params = jax.tree.map(lambda x: jax.numpy.asarray(np.asarray(x)), params)
-    step, opt = make_step(loss_fn, sched)
     pspecs, bspecs = megatron_specs("mlp", params, batch)
     reference = run_steps(jax.jit(step), opt.init(params), params, batch)
     fn = jaxpp_mpi.mpmd_jit_with_loop(step, mpmd_mesh=mesh, in_shardings=(None, pspecs, bspecs),
@@ -134,10 +135,8 @@ def test_each_rank_passes_its_share_of_the_batch(meshes, replicas):
     from jax.sharding import PartitionSpec as P
 
     mesh = meshes[replicas]
-    sched = schedule("1f1b", mesh.mpmd_dim)
     n = 4
-    params, batch, loss_fn = mlp(sched.num_stages, n)
-    step, opt = make_step(loss_fn, sched)
+    step, opt, params, batch = _problem(mesh, "1f1b", n)
     reference = run_steps(jax.jit(step), opt.init(params), params, batch)
     mine = _share(batch, mesh.replica_idx, n // replicas)
     fn = jaxpp_mpi.mpmd_jit_with_loop(step, mpmd_mesh=mesh,
@@ -151,9 +150,7 @@ def test_share_read_outside_the_loop_is_refused_on_every_rank(meshes):
     from jax.sharding import PartitionSpec as P
 
     mesh = meshes[2]
-    sched = schedule("1f1b", mesh.mpmd_dim)
-    params, batch, loss_fn = mlp(sched.num_stages, 4)
-    step, opt = make_step(loss_fn, sched)
+    step, opt, params, batch = _problem(mesh, "1f1b", 4)
 
     def with_batch_mean(opt_state, params, batch):
         out = step(opt_state, params, batch)
@@ -188,9 +185,7 @@ def test_closed_jaxpr_of_a_share_is_the_global_step(meshes):
     from jax.sharding import PartitionSpec as P
 
     mesh = meshes[2]
-    sched = schedule("1f1b", mesh.mpmd_dim)
-    params, batch, loss_fn = mlp(sched.num_stages, 4)
-    step, opt = make_step(loss_fn, sched)
+    step, opt, params, batch = _problem(mesh, "1f1b", 4)
     fn = jaxpp_mpi.mpmd_jit_with_loop(step, mpmd_mesh=mesh,
                                       in_shardings=(None, None, P("replica")))
     compiled = fn.compile(opt.init(params), params, _share(batch, mesh.replica_idx, 2))

@@ -62,6 +62,7 @@ from jaxpp_mpi._src.runtime.executor import (
     StepBinder,
     StepLists,
     Table,
+    bind_allreduce_identity,
     bind_free,
     bind_run,
     bind_steps,
@@ -358,9 +359,9 @@ class MpiExecutor:
 
     def _bind_allreduce(self, group: int, instr: AllReduce) -> tuple[Step, Step]:
         comm = self._replica_comm
-        slots = [self.layout.slot(group, b) for b in instr.bufs]
         if comm is None:  # one replica: nothing to combine
-            return (lambda table, times: None), (lambda table, times: None)
+            return bind_allreduce_identity()(group, instr)
+        slots = [self.layout.slot(group, b) for b in instr.bufs]
         plans = [self._plan(self.group_program.aval(b)) for b in instr.bufs]
         by_device: dict[Any, list[tuple[int, int]]] = {}
         for i, plan in enumerate(plans):
