@@ -107,8 +107,9 @@ def assign_tags(program: Program) -> Program:
 
     The k-th send from group a to group b, in a's program order, gets tag k; the k-th
     receive from a in b's program order gets tag k. Tags depend only on the program,
-    so every rank computes the same ones (see `Note: program invariants`). MPI only
-    guarantees tags up to 32767 (MPI_TAG_UB); longer channels need a larger bound.
+    so every rank computes the same ones (see `Note: program invariants`). They name
+    the pairing; the MPI executor matches it by MPI's posting order on one wire tag per
+    shard (`Note: messages` in runtime/mpi.py), so no channel outgrows MPI_TAG_UB.
 
     Args:
       program: a program, typically built with tag=-1.

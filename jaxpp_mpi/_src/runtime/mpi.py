@@ -8,8 +8,13 @@ Note: messages.
   run on different devices), so this rank's MPI calls happen in program order. A value
   of a multi-device group moves *shard by shard*: its distinct shards (one per
   distinct index of its sharding, taken from the first device holding it, in mesh
-  order) travel as separate messages, shard j of message tag t with wire tag
-  `t * group_size + j`, so shards of one value and messages of one channel never mix.
+  order) travel as separate messages, shard j with MPI tag j. The program's tags
+  (`assign_tags` in ir/passes.py) number each channel's messages in the order both ends
+  post them, and MPI matches the messages of one (source, communicator, tag) in posting
+  order (non-overtaking), so the k-th receive of shard j on a channel gets the k-th send
+  of it: the pairing the program's tags name, without the tag on the wire. One compiled
+  chain therefore serves every microbatch of a channel (a tag is a compile-time
+  attribute of mpi4jax's calls), and no program outgrows MPI_TAG_UB.
   The receiver gets each distinct shard on the first device that holds it, copies it
   to the other devices holding the same index, and assembles the array. Both ends
   compute the same shard list from the same Aval and equally shaped group meshes. A
@@ -51,7 +56,7 @@ from jaxpp_mpi._src.ir.program import (
     Send,
     SendRecv,
 )
-from jaxpp_mpi._src.mpi import chains, collectives
+from jaxpp_mpi._src.mpi import chains
 from jaxpp_mpi._src.mpi.heap import tune_heap
 from jaxpp_mpi._src.runtime.executor import (
     BufferLayout,
@@ -135,7 +140,7 @@ def _compiled(fn: Callable, args: list, in_sh, out_sh):
 
 class _Messenger:
     """Pre-compiled message chains (`Note: message chains` in mpi/chains.py), one per
-    distinct (kind, shapes, dtypes, device, peer, tags), each `fn(order, *x) -> (order,
+    distinct (kind, shapes, dtypes, device, peer, shard), each `fn(order, *x) -> (order,
     *received)` on one device."""
 
     def __init__(self, comm: Any, group_size: int, replica_comm: Any = None):
@@ -156,23 +161,22 @@ class _Messenger:
         return _compiled(chains.chain_fn(ops, self.comm), [order, *structs],
                          (order_sh, *send_shardings), (order_sh, *recv_shardings))
 
-    def send(self, plan: ShardPlan, j: int, dst: int, tag: int):
+    def send(self, plan: ShardPlan, j: int, dst: int):
         device, shape, _ = plan.pieces[j]
         sh = self._in_sharding(plan, device)
-        op = ("send", dst, tag * self.n + j)
+        op = ("send", dst, j)
         return device, self._fn((op,), device, ((shape, plan.dtype),), (sh,), ())
 
-    def recv(self, plan: ShardPlan, j: int, src: int, tag: int):
+    def recv(self, plan: ShardPlan, j: int, src: int):
         device, shape, _ = plan.pieces[j]
         sh = self._in_sharding(plan, device)
-        op = ("recv", src, tag * self.n + j, shape, plan.dtype.name)
+        op = ("recv", src, j, shape, plan.dtype.name)
         return device, self._fn((op,), device, (), (), (sh,))
 
-    def sendrecv(self, s_plan: ShardPlan, r_plan: ShardPlan, j: int, peer: int,
-                 s_tag: int, r_tag: int):
+    def sendrecv(self, s_plan: ShardPlan, r_plan: ShardPlan, j: int, peer: int):
         device, s_shape, _ = s_plan.pieces[j]
         _, r_shape, _ = r_plan.pieces[j]
-        op = ("sendrecv", peer, s_tag * self.n + j, r_tag * self.n + j, r_shape,
+        op = ("sendrecv", peer, j, j, r_shape,
               r_plan.dtype.name)
         return device, self._fn((op,), device, ((s_shape, s_plan.dtype),),
                                 (self._in_sharding(s_plan, device),),
@@ -208,9 +212,6 @@ class MpiExecutor:
       replica_comm: the communicator of this group's replicas (`AllReduce`), or None
         with one replica.
       job_comm: every rank of the job (the watchdog's rank and abort), default `comm`.
-
-    Raises:
-      ValueError: if a wire tag would exceed the communicator's MPI_TAG_UB.
     """
 
     def __init__(
@@ -233,7 +234,6 @@ class MpiExecutor:
         self.group_program = gp
         self.layout = layout = BufferLayout([gp])
         group_size = sharding(Aval((), "int32")).mesh.devices.size
-        self._check_tags(gp, group_size, comm)
         self._messenger = _Messenger(comm, group_size, replica_comm)
         self._chain = chains.Chain(sharding(Aval((), "int32")).mesh.devices.flat[0])
         self._plans: dict[Aval, ShardPlan] = {}
@@ -263,20 +263,6 @@ class MpiExecutor:
         self._bind_inputs = InputBinder(layout, [gp], lambda g, a: sharding(a), num_inputs)
         self._collect = OutputCollector(layout, [gp], num_outputs)
 
-    @staticmethod
-    def _check_tags(gp: GroupProgram, group_size: int, comm: Any) -> None:
-        tags = [t for i in gp.instrs for t in (getattr(i, "tag", None),
-                getattr(i, "send_tag", None), getattr(i, "recv_tag", None)) if t is not None]
-        if not tags:
-            return
-        top = max(tags) * group_size + group_size - 1
-        ub = comm.Get_attr(collectives.MPI.TAG_UB)
-        if ub is not None and top > ub:
-            raise ValueError(
-                f"group {gp.mpmd_idx}'s program needs MPI tags up to {top}, above this MPI's "
-                f"MPI_TAG_UB={ub}: use fewer microbatches per step or smaller group meshes"
-            )
-
     def _plan(self, aval: Aval) -> ShardPlan:
         plan = self._plans.get(aval)
         if plan is None:
@@ -287,7 +273,7 @@ class MpiExecutor:
         slot = self.layout.slot(group, instr.buf)
         plan = self._plan(self.group_program.aval(instr.buf))
         m, chain = self._messenger, self._chain
-        sends = [m.send(plan, j, instr.dst, instr.tag) for j in range(len(plan.pieces))]
+        sends = [m.send(plan, j, instr.dst) for j in range(len(plan.pieces))]
 
         def step(table: Table, times: Any) -> None:
             for (device, fn), shard in zip(sends, plan.shards_of(table[slot])):
@@ -300,7 +286,7 @@ class MpiExecutor:
         slot = self.layout.slot(group, instr.buf)
         plan = self._plan(instr.aval)
         m, chain = self._messenger, self._chain
-        recvs = [m.recv(plan, j, instr.src, instr.tag) for j in range(len(plan.pieces))]
+        recvs = [m.recv(plan, j, instr.src) for j in range(len(plan.pieces))]
 
         def step(table: Table, times: Any) -> None:
             got = []
@@ -326,11 +312,11 @@ class MpiExecutor:
             if s_dev != r_dev:
                 break
             paired += 1
-        both = [m.sendrecv(s_plan, r_plan, j, peer, instr.send_tag, instr.recv_tag)
+        both = [m.sendrecv(s_plan, r_plan, j, peer)
                 for j in range(paired)]
-        sends = [m.send(s_plan, j, peer, instr.send_tag)
+        sends = [m.send(s_plan, j, peer)
                  for j in range(paired, len(s_plan.pieces))]
-        recvs = [m.recv(r_plan, j, peer, instr.recv_tag)
+        recvs = [m.recv(r_plan, j, peer)
                  for j in range(paired, len(r_plan.pieces))]
         sends_first = group < peer  # the unpaired rest: the lower rank sends first
 
