@@ -483,9 +483,36 @@ def test_never_slower_than_the_round_order(name, groups, num_microbatches):
         new = simulate(program, latency).makespan
         assert new <= simulate(rounds, latency, check_leaks=False).makespan
     # Every candidate order verifies on its own (no deadlock, buffers, matching).
-    for eager in (True, False):
-        timed = lower._TimedLowering(graph, lower._estimate(graph, lower._ESTIMATE), eager)
-        verify(add_frees(lower._finish(timed)[0]))
+    for model in lower._ESTIMATES:
+        for eager in (True, False):
+            timed = lower._TimedLowering(graph, lower._estimate(graph, model), eager)
+            verify(add_frees(lower._finish(timed)[0]))
+
+
+@pytest.mark.parametrize(
+    "name,groups,num_microbatches,times,claim",
+    [
+        # Four groups: the walks under other estimates than `split` reach the schedule's
+        # own timeline where the round order and the `split` walk did not.
+        ("interleaved", 4, 8, DEFAULT, 57.0),  # round order: 62
+        ("kimik2", 4, 16, DEFAULT, 105.0),  # round order: 122
+        ("kimik2", 4, 16, SPLIT, 140.0),  # round order: 175
+        # Blocking sends cannot reach these timelines (a message whose sender and
+        # receiver are never free at one instant between its making and its use):
+        ("zerobubble", 4, 8, SPLIT, 37.0),  # own 35, round order 38
+        ("dualpipev", 4, 8, SPLIT, 73.0),  # own 67, round order 74
+        ("dualpipev", 2, 8, SPLIT, 65.0),  # own 65, round order 66
+    ],
+)
+def test_lowered_makespan_within_claim(name, groups, num_microbatches, times, claim):
+    schedule = SCHEDULES[name](groups)
+    graph = schedule_graph(schedule, num_microbatches)
+    program = build_program(graph)
+    verify(program)
+    task_ms = bench.label_times(program, lambda label, kind, stage: times[TaskType(kind)])
+    own = bench.workload.schedule_makespan(schedule, num_microbatches, task_ms, 0.0)
+    makespan = simulate(program, kind_latency(times)).makespan
+    assert own <= makespan <= claim
 
 
 def test_zero_bubble_sends_the_activation_before_the_weight_task():
