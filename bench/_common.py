@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -9,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from jaxpp_mpi._src.ir.simulate import MessageCost  # no JAX import
+from jaxpp_mpi.schedules import SCHEDULE_NAMES  # no JAX import
 
 
 def metadata() -> dict[str, Any]:
@@ -58,3 +60,38 @@ def load_message_cost(path: str) -> MessageCost:
     if not rows:
         raise ValueError(f"{path} is not a bench/p2p.py result (no 'rows')")
     return fit_message_cost(rows)
+
+
+def add_block_options(p: argparse.ArgumentParser, *, schedules: Sequence[str], width: int,
+                      ffn: int, repeats: int, repeats_help: str, quick_help: str) -> None:
+    """The options of bench/schedules.py's workload (residual MLP blocks), which
+    bench/replicas.py shares: --schedules, --width, --ffn, --blocks, --rows,
+    --microbatches, --repeats and --quick; `block_options` finishes them after parsing.
+
+    Args:
+      p: the script's parser.
+      schedules: the default schedule names.
+      width, ffn, repeats: the script's defaults for them.
+      repeats_help, quick_help: what a round is, what --quick makes of the run.
+    """
+    p.add_argument("--schedules", default=",".join(schedules),
+                   help=f"comma-separated, from {', '.join(SCHEDULE_NAMES)}")
+    p.add_argument("--width", type=int, default=width)
+    p.add_argument("--ffn", type=int, default=ffn)
+    p.add_argument("--blocks", type=int, default=8)
+    p.add_argument("--rows", type=int, default=16)
+    p.add_argument("--microbatches", dest="num_microbatches", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=repeats, help=repeats_help)
+    p.add_argument("--quick", action="store_true", help=quick_help)
+
+
+def block_options(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    """`args` after `add_block_options`' options are parsed: --quick applied (d=256,
+    ffn=1024, 3 rounds) and --schedules split into a checked list (`p.error` otherwise)."""
+    if args.quick:
+        args.width, args.ffn, args.repeats = 256, 1024, 3
+    args.schedules = [s for s in args.schedules.split(",") if s]
+    unknown = [s for s in args.schedules if s not in SCHEDULE_NAMES]
+    if unknown:
+        p.error(f"unknown schedule(s) {unknown}; the names are {', '.join(SCHEDULE_NAMES)}")
+    return args

@@ -23,8 +23,7 @@ every repeat kept in the JSON. `--profile DIR` writes each rank's cProfile of it
 compile and first step (`DIR/rank<r>.prof`, last repeat).
 
 The model is examples/train.py's at its defaults (4 blocks, hidden 64, 4 heads, seq 32,
-vocab 256, 8 microbatches of 4 sequences, adam, Std1F1B over 4 stages), rebuilt here:
-the example defines it inside its `main`, where it cannot be imported.
+vocab 256, 8 microbatches of 4 sequences, adam, Std1F1B over 4 stages), imported from it.
 """
 
 from __future__ import annotations
@@ -43,11 +42,11 @@ from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/_common.py
+sys.path.insert(0, os.path.join(ROOT, "examples"))  # train.py: the model
 
 from _common import metadata, write_json  # noqa: E402
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -81,76 +80,16 @@ def parse_args(argv=None) -> argparse.Namespace:
 def build(args: argparse.Namespace, num_stages: int, sched: Any):
     """The example's step, initial state and batch for `num_stages` stages of one block."""
     import jax
-    import jax.numpy as jnp
-    import numpy as np
     import optax
+    import train
 
-    import jaxpp_mpi
-
-    layers, dtype = num_stages, jnp.float32
-    d, heads, seq, vocab = args.hidden, args.heads, args.seq, args.vocab
-
-    def init_params(key):
-        ks = iter(jax.random.split(key, 6 * layers + 4))
-        normal = lambda shape, scale: (jax.random.normal(next(ks), shape) * scale).astype(dtype)
-        return {
-            "embed": normal((vocab, d), 0.02),
-            "pos": normal((seq, d), 0.01),
-            "blocks": [
-                {
-                    "ln1": jnp.ones(d, dtype),
-                    "qkv": normal((d, 3 * d), d**-0.5),
-                    "proj": normal((d, d), (2 * layers * d) ** -0.5),
-                    "ln2": jnp.ones(d, dtype),
-                    "up": normal((d, 4 * d), d**-0.5),
-                    "down": normal((4 * d, d), (2 * layers * 4 * d) ** -0.5),
-                }
-                for _ in range(layers)
-            ],
-            "ln_f": jnp.ones(d, dtype),
-            "head": normal((d, vocab), d**-0.5),
-        }
-
-    def layernorm(x, g):
-        mu = x.mean(-1, keepdims=True)
-        var = ((x - mu) ** 2).mean(-1, keepdims=True)
-        return (x - mu) * jax.lax.rsqrt(var + 1e-5) * g
-
-    def block(p, h):
-        x = layernorm(h, p["ln1"])
-        q, k, v = jnp.split(x @ p["qkv"], 3, axis=-1)
-        split = lambda t: t.reshape(*t.shape[:-1], heads, d // heads).swapaxes(-2, -3)
-        q, k, v = split(q), split(k), split(v)
-        scores = (q @ k.swapaxes(-1, -2)) / np.sqrt(d // heads)
-        mask = jnp.tril(jnp.ones((seq, seq), bool))
-        att = jax.nn.softmax(jnp.where(mask, scores, -1e9), axis=-1) @ v
-        h = h + att.swapaxes(-2, -3).reshape(h.shape) @ p["proj"]
-        return h + jax.nn.gelu(layernorm(h, p["ln2"]) @ p["up"]) @ p["down"]
-
-    def loss_fn(params, mb):
-        h = params["embed"][mb["inputs"]] + params["pos"]
-        for p in params["blocks"]:
-            h = jaxpp_mpi.mark_stage_end(block(p, h))
-        logits = layernorm(h, params["ln_f"]) @ params["head"]
-        logp = jax.nn.log_softmax(logits)
-        return -jnp.take_along_axis(logp, mb["targets"][..., None], axis=-1).mean()
-
+    cfg = train.ModelConfig(vocab=args.vocab, hidden=args.hidden, heads=args.heads,
+                            seq=args.seq, layers=num_stages)
     optimizer = optax.adam(3e-3)
-
-    def train_step(opt_state, params, batch):
-        loss_and_grad = partial(jax.value_and_grad(loss_fn), params)
-        losses, grads = jaxpp_mpi.treduce(loss_and_grad, batch, schedule=sched)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return opt_state, optax.apply_updates(params, updates), losses.mean()
-
-    rng = np.random.default_rng(0)
-    starts = rng.integers(0, vocab, (args.num_microbatches, args.microbatch_size, 1))
-    tokens = (starts + np.arange(seq + 1)) % vocab
-    batch = {
-        "inputs": jnp.asarray(tokens[..., :-1], jnp.int32),
-        "targets": jnp.asarray(tokens[..., 1:], jnp.int32),
-    }
-    params = init_params(jax.random.PRNGKey(0))
+    loss = partial(train.loss_fn, cfg=cfg, num_stages=num_stages)
+    train_step = train.make_train_step(loss, sched, optimizer)
+    batch = train.synthetic_batch(cfg, args.num_microbatches, args.microbatch_size)
+    params = train.init_params(jax.random.PRNGKey(0), cfg)
     return train_step, optimizer.init(params), params, batch
 
 

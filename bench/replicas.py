@@ -64,7 +64,13 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/_common.py, schedules.py
 
-from _common import load_message_cost, metadata, write_json  # noqa: E402
+from _common import (  # noqa: E402
+    add_block_options,
+    block_options,
+    load_message_cost,
+    metadata,
+    write_json,
+)
 from schedules import make_data, pipelined_step, reference_step  # noqa: E402
 
 from jaxpp_mpi._src.ir.program import (  # noqa: E402
@@ -82,7 +88,7 @@ from jaxpp_mpi._src.ir.simulate import (  # noqa: E402
     aval_nbytes,
     simulate,
 )
-from jaxpp_mpi.schedules import SCHEDULE_NAMES, schedule_by_name  # noqa: E402
+from jaxpp_mpi.schedules import schedule_by_name  # noqa: E402
 from jaxpp_mpi.trace import TraceEvent, parse_label  # noqa: E402
 
 BACKWARD_KINDS = frozenset({"B", "I", "W"})
@@ -90,14 +96,8 @@ BACKWARD_KINDS = frozenset({"B", "I", "W"})
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--schedules", default="gpipe,1f1b,zerobubble",
-                   help=f"comma-separated, from {', '.join(SCHEDULE_NAMES)}")
-    p.add_argument("--width", type=int, default=512)
-    p.add_argument("--ffn", type=int, default=2048)
-    p.add_argument("--blocks", type=int, default=8)
-    p.add_argument("--rows", type=int, default=16)
-    p.add_argument("--microbatches", dest="num_microbatches", type=int, default=8)
-    p.add_argument("--repeats", type=int, default=7, help="rounds")
+    add_block_options(p, schedules=("gpipe", "1f1b", "zerobubble"), width=512, ffn=2048,
+                      repeats=7, repeats_help="rounds", quick_help="d=256, ffn=1024, 3 rounds")
     p.add_argument("--p2p", default="bench/results/p2p.json",
                    help="bench/p2p.py JSON: the message model of this machine")
     p.add_argument("--sim-replicas", type=int, default=16)
@@ -111,12 +111,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="comma-separated RxS layouts of the bucket sweep (S: 2 or --sim-stages)")
     p.add_argument("--sweep-buckets-mb", default="1,4,16,64,0",
                    help="bucket sizes in MiB (0: one AllReduce per task and op)")
-    p.add_argument("--quick", action="store_true", help="d=256, ffn=1024, 3 rounds")
     p.add_argument("--out", default="bench/results/replicas.json")
-    args = p.parse_args(argv)
-    if args.quick:
-        args.width, args.ffn, args.repeats = 256, 1024, 3
-    args.schedules = [s for s in args.schedules.split(",") if s]
+    args = block_options(p, p.parse_args(argv))
     try:
         args.sweep = [tuple(int(v) for v in x.split("x")) for x in args.sweep.split(",") if x]
         args.sweep_buckets_mb = [float(x) for x in args.sweep_buckets_mb.split(",") if x]
@@ -127,9 +123,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     if bad:
         p.error(f"--sweep layouts {bad}: R >= 2 replicas and S stages, S 2 or --sim-stages "
                 f"({args.sim_stages}): the measured pipelines' task times")
-    unknown = [s for s in args.schedules if s not in SCHEDULE_NAMES]
-    if unknown:
-        p.error(f"unknown schedule(s) {unknown}; the names are {', '.join(SCHEDULE_NAMES)}")
     return args
 
 

@@ -4,12 +4,13 @@ Run in one process (local mode, 8 CPU devices forced before JAX starts):
 
     .venv/bin/python bench/spmd.py --out bench/results/spmd.json
 
-For a Megatron-style MLP and a small decoder-only transformer (weights made with numpy),
-2 pipeline groups and Std1F1B, the step is compiled with `in_shardings` / `out_shardings`
-that column-split every first linear over "model" (`P(None, "model")`: the MLP's `w1`,
-the transformer's `qkv` and `up`), row-split every second one (`P("model", None)`:
-`w2`, `proj`, `down`) and shard the batch's rows over "data". Per group layout
-(data=D, model=M; the MPMD mesh is `(2, D, M)` over ("stage", "data", "model")):
+For a Megatron-style MLP and examples/train.py's decoder-only transformer (imported from
+it; one block per stage, untied head), 2 pipeline groups and Std1F1B, the step is compiled
+with `in_shardings` / `out_shardings` that column-split every first linear over "model"
+(`P(None, "model")`: the MLP's `w1`, the transformer's `qkv` and `up`), row-split every
+second one (`P("model", None)`: `w2`, `proj`, `down`) and shard the batch's rows over
+"data". Per group layout (data=D, model=M; the MPMD mesh is `(2, D, M)` over
+("stage", "data", "model")):
 
 - `flops[g]`: group g's per-device FLOPs of one whole step, `compiled.cost_analysis()`;
 - `reference`: per-device FLOPs of the same step under plain `jax.jit` on ONE group's
@@ -31,6 +32,9 @@ import os
 import platform
 import sys
 from functools import partial
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "examples"))  # train.py: the transformer
 
 DEVICES = 8
 NUM_MICROBATCHES = 1  # see the module docstring: no loop in the jax.jit reference
@@ -82,58 +86,19 @@ def mlp(args, stages: int, rng):
 
 
 def transformer(args, stages: int, rng):
-    """A decoder-only LM: embedding, one pre-norm block per stage, head and loss last."""
+    """examples/train.py's LM, one block per stage, its Megatron specs; `rng` unused (only
+    shapes matter here: the steps are compiled, not run)."""
     import jax
-    import jax.numpy as jnp
-    import numpy as np
+    import train
     from jax.sharding import PartitionSpec as P
 
-    import jaxpp_mpi
-
-    d, heads, seq, vocab = args.hidden, args.heads, args.seq, args.vocab
-    normal = lambda *shape: (rng.standard_normal(shape) / shape[0] ** 0.5).astype("float32")
-    ones = lambda n: np.ones(n, "float32")
-    params = {
-        "embed": normal(vocab, d), "pos": normal(seq, d) * 0.1, "ln_f": ones(d),
-        "head": normal(d, vocab),
-        "blocks": [{"ln1": ones(d), "qkv": normal(d, 3 * d), "proj": normal(d, d),
-                    "ln2": ones(d), "up": normal(d, 4 * d), "down": normal(4 * d, d)}
-                   for _ in range(stages)],
-    }
-    specs = {
-        "embed": P(), "pos": P(), "ln_f": P(), "head": P(),
-        "blocks": [{"ln1": P(), "qkv": P(None, "model"), "proj": P("model", None),
-                    "ln2": P(), "up": P(None, "model"), "down": P("model", None)}
-                   for _ in range(stages)],
-    }
-    tokens = rng.integers(0, vocab, (NUM_MICROBATCHES, args.sequences, seq + 1), "int32")
-    batch = {"inputs": tokens[..., :-1], "targets": tokens[..., 1:]}
-    batch_specs = {"inputs": P(None, "data"), "targets": P(None, "data")}
-
-    def layernorm(x, g):
-        mu = x.mean(-1, keepdims=True)
-        var = ((x - mu) ** 2).mean(-1, keepdims=True)
-        return (x - mu) * jax.lax.rsqrt(var + 1e-5) * g
-
-    def block(p, h):
-        x = layernorm(h, p["ln1"])
-        q, k, v = jnp.split(x @ p["qkv"], 3, axis=-1)
-        split = lambda t: t.reshape(*t.shape[:-1], heads, d // heads).swapaxes(-2, -3)
-        q, k, v = split(q), split(k), split(v)
-        scores = q @ k.swapaxes(-1, -2) / np.sqrt(d // heads)
-        mask = jnp.tril(jnp.ones((seq, seq), bool))
-        att = jax.nn.softmax(jnp.where(mask, scores, -1e9), axis=-1) @ v
-        h = h + att.swapaxes(-2, -3).reshape(h.shape) @ p["proj"]
-        return h + jax.nn.gelu(layernorm(h, p["ln2"]) @ p["up"]) @ p["down"]
-
-    def loss_fn(params, mb):
-        h = params["embed"][mb["inputs"]] + params["pos"]
-        for p in params["blocks"]:
-            h = jaxpp_mpi.mark_stage_end(block(p, h))
-        logp = jax.nn.log_softmax(layernorm(h, params["ln_f"]) @ params["head"])
-        return -jnp.take_along_axis(logp, mb["targets"][..., None], axis=-1).mean()
-
-    return params, specs, batch, batch_specs, loss_fn
+    cfg = train.ModelConfig(vocab=args.vocab, hidden=args.hidden, heads=args.heads,
+                            seq=args.seq, layers=stages)
+    params = train.init_params(jax.random.PRNGKey(0), cfg)
+    batch = train.synthetic_batch(cfg, NUM_MICROBATCHES, args.sequences)
+    batch_specs = {k: P(None, "data") for k in batch}
+    loss_fn = partial(train.loss_fn, cfg=cfg, num_stages=stages)
+    return params, train.param_specs(params), batch, batch_specs, loss_fn
 
 
 MODELS = {"mlp": mlp, "transformer": transformer}
@@ -145,6 +110,7 @@ def measure(args, model: str, data: int, model_axis: int) -> dict:
     import jax
     import numpy as np
     import optax
+    import train
     from jax.sharding import AxisType, NamedSharding
     from jax.sharding import PartitionSpec as P
 
@@ -156,12 +122,7 @@ def measure(args, model: str, data: int, model_axis: int) -> dict:
     params, param_specs, batch, batch_specs, loss_fn = MODELS[model](
         args, sched.num_stages, np.random.default_rng(0))
     optimizer = optax.adam(1e-3)
-
-    def step(opt_state, params, batch):
-        grad_fn = partial(jax.value_and_grad(loss_fn), params)
-        losses, grads = jaxpp_mpi.treduce(grad_fn, batch, schedule=sched)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return opt_state, optax.apply_updates(params, updates), losses.mean()
+    step = train.make_train_step(loss_fn, sched, optimizer)
 
     opt_state = optimizer.init(params)
     opt_specs = optax.tree_map_params(optimizer, lambda _, spec: spec, opt_state, param_specs,

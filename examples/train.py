@@ -36,25 +36,194 @@ example forces that many unless XLA_FLAGS already sets a device count):
 and writes every rank's tasks and messages as a Chrome trace: open it in
 https://ui.perfetto.dev, or draw it with
 `python -m jaxpp_mpi.schedules --from-trace out.json --png out.png`.
+
+The model (`ModelConfig`, `init_params`, `logits_fn` / `loss_fn`, `param_specs`,
+`make_train_step`, `synthetic_batch`) sits at module level: bench/compile.py,
+bench/spmd.py and tests/models.py import it from here rather than keep copies.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import logging
 import os
 import sys
 import time
 from functools import partial
-from typing import NoReturn
+from typing import Any, NoReturn
 
-from jaxpp_mpi.schedules import (  # no JAX import
+# Importing JAX starts no backend: XLA reads XLA_FLAGS (which `main` may still set) when
+# the first device is asked for.
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import PartitionSpec as P
+
+import jaxpp_mpi
+from jaxpp_mpi.schedules import (
     SCHEDULE_NAMES,
     TaskType,
     analyze_schedule,
     schedule_by_name,
 )
+
+# -- the model: a decoder-only transformer LM ----------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """The transformer's sizes.
+
+    Attributes:
+      vocab: tokens in the vocabulary.
+      hidden: the model width d.
+      heads: attention heads, d / heads wide each.
+      seq: tokens per sequence (the length of the learned position embedding).
+      layers: transformer blocks, split evenly over the pipeline stages.
+      mlp_ratio: the MLP's inner width over d.
+      tied: the unembedding is the embedding's transpose (first and last stage share it).
+      dtype: weights' and activations' dtype; layer norms, attention scores and logits
+        are computed in float32.
+    """
+
+    vocab: int
+    hidden: int
+    heads: int
+    seq: int
+    layers: int
+    mlp_ratio: int = 4
+    tied: bool = False
+    dtype: str = "float32"
+
+
+def init_params(key: jax.Array, cfg: ModelConfig, std: float | None = None) -> dict[str, Any]:
+    """Token and position embeddings, `cfg.layers` pre-norm blocks, final norm and (untied)
+    head.
+
+    Args:
+      key: the random key.
+      cfg: the sizes.
+      std: one standard deviation for every embedding and weight matrix. By default:
+        small embeddings, weights of std 1/sqrt(fan-in), the two that write to the
+        residual stream (proj, down) scaled down by sqrt(2 x layers) more.
+    """
+    ks = iter(jax.random.split(key, 6 * cfg.layers + 4))
+    dtype = jnp.dtype(cfg.dtype)
+
+    def normal(shape: tuple[int, ...], scale: float) -> jax.Array:
+        scale = scale if std is None else std
+        return (jax.random.normal(next(ks), shape) * scale).astype(dtype)
+
+    d, ffn, layers = cfg.hidden, cfg.mlp_ratio * cfg.hidden, cfg.layers
+    params = {
+        "embed": normal((cfg.vocab, d), 0.02),
+        "pos": normal((cfg.seq, d), 0.01),
+        "blocks": [{
+            "ln1": jnp.ones(d, dtype), "qkv": normal((d, 3 * d), d ** -0.5),
+            "proj": normal((d, d), (2 * layers * d) ** -0.5), "ln2": jnp.ones(d, dtype),
+            "up": normal((d, ffn), d ** -0.5),
+            "down": normal((ffn, d), (2 * layers * ffn) ** -0.5),
+        } for _ in range(layers)],
+        "ln_f": jnp.ones(d, dtype),
+    }
+    if not cfg.tied:
+        params["head"] = normal((d, cfg.vocab), d ** -0.5)
+    return params
+
+
+def layernorm(x: jax.Array, g: jax.Array) -> jax.Array:
+    """Layer norm without offset, computed in float32 and returned in `x`'s dtype."""
+    x32 = x.astype(jnp.float32)
+    mu = x32.mean(-1, keepdims=True)
+    var = ((x32 - mu) ** 2).mean(-1, keepdims=True)
+    return ((x32 - mu) * jax.lax.rsqrt(var + 1e-5)).astype(x.dtype) * g
+
+
+def block(p: dict[str, jax.Array], h: jax.Array, heads: int) -> jax.Array:
+    """One pre-norm block on `h` (..., seq, d): causal self-attention, then a GELU MLP."""
+    seq, d = h.shape[-2:]
+    x = layernorm(h, p["ln1"])
+    q, k, v = jnp.split(x @ p["qkv"], 3, axis=-1)
+    split = lambda t: t.reshape(*t.shape[:-1], heads, d // heads).swapaxes(-2, -3)
+    q, k, v = split(q), split(k), split(v)
+    scores = (q @ k.swapaxes(-1, -2)).astype(jnp.float32) / np.sqrt(d // heads)
+    mask = jnp.tril(jnp.ones((seq, seq), bool))
+    att = jax.nn.softmax(jnp.where(mask, scores, -1e9), axis=-1).astype(h.dtype) @ v
+    h = h + att.swapaxes(-2, -3).reshape(h.shape) @ p["proj"]
+    return h + jax.nn.gelu(layernorm(h, p["ln2"]) @ p["up"]) @ p["down"]
+
+
+def logits_fn(params: dict[str, Any], inputs: jax.Array, cfg: ModelConfig,
+              num_stages: int) -> jax.Array:
+    """float32 next-token logits for `inputs` (..., seq): the blocks split evenly over
+    `num_stages` stages, each stage ended by `jaxpp_mpi.mark_stage_end` (the embedding
+    runs on the first stage, the head on the last)."""
+    h = params["embed"][inputs] + params["pos"]
+    per_stage = cfg.layers // num_stages
+    for s in range(num_stages):
+        for p in params["blocks"][s * per_stage:(s + 1) * per_stage]:
+            h = block(p, h, cfg.heads)
+        h = jaxpp_mpi.mark_stage_end(h)
+    head = params["embed"].T if cfg.tied else params["head"]
+    return (layernorm(h, params["ln_f"]) @ head).astype(jnp.float32)
+
+
+def next_token_nll(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Mean negative log-likelihood of `targets` under `logits`."""
+    logp = jax.nn.log_softmax(logits)
+    return -jnp.take_along_axis(logp, targets[..., None], axis=-1).mean()
+
+
+def loss_fn(params: dict[str, Any], mb: dict[str, jax.Array], cfg: ModelConfig,
+            num_stages: int) -> jax.Array:
+    """One microbatch's loss: `mb["inputs"]`'s next-token NLL against `mb["targets"]`."""
+    return next_token_nll(logits_fn(params, mb["inputs"], cfg, num_stages), mb["targets"])
+
+
+def param_specs(params: dict[str, Any]) -> dict[str, Any]:
+    """Megatron-style layouts: column-split the first linear of attention and MLP over
+    "model", row-split the second; everything else replicated."""
+    column, row = P(None, "model"), P("model", None)
+    split = {"qkv": column, "proj": row, "up": column, "down": row}
+    specs = jax.tree.map(lambda _: P(), params)
+    specs["blocks"] = [{k: split.get(k, P()) for k in b} for b in params["blocks"]]
+    return specs
+
+
+def make_train_step(loss, sched, optimizer: optax.GradientTransformation):
+    """The training step: `loss`'s value and gradient per microbatch under `treduce` (the
+    pipelined loop, in `sched`'s order), then one `optimizer` update.
+
+    Returns:
+      `train_step(opt_state, params, batch) -> (opt_state, params, mean loss)`, for
+      `jaxpp_mpi.mpmd_jit_with_loop` and, unchanged, for `jax.jit`.
+    """
+
+    def train_step(opt_state, params, batch):
+        loss_and_grad = partial(jax.value_and_grad(loss), params)
+        losses, grads = jaxpp_mpi.treduce(loss_and_grad, batch, schedule=sched)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return opt_state, optax.apply_updates(params, updates), losses.mean()
+
+    return train_step
+
+
+def synthetic_batch(cfg: ModelConfig, num_microbatches: int,
+                    microbatch_size: int) -> dict[str, jax.Array]:
+    """Data with structure to learn: each token is the previous plus one (mod the vocab),
+    from random starts (numpy seed 0); int32 `inputs` and `targets` of shape
+    (num_microbatches, microbatch_size, cfg.seq)."""
+    rng = np.random.default_rng(0)
+    starts = rng.integers(0, cfg.vocab, (num_microbatches, microbatch_size, 1))
+    tokens = (starts + np.arange(cfg.seq + 1)) % cfg.vocab
+    return {"inputs": jnp.asarray(tokens[..., :-1], jnp.int32),
+            "targets": jnp.asarray(tokens[..., 1:], jnp.int32)}
+
+
+# -- the script ----------------------------------------------------------------------
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -182,13 +351,6 @@ def main(argv=None) -> int:
         flag = f"--xla_force_host_platform_device_count={per_group}"
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
 
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    import optax
-    from jax.sharding import PartitionSpec as P
-
-    import jaxpp_mpi
     import jaxpp_mpi.checkpoint
     import jaxpp_mpi.launch
     import jaxpp_mpi.trace
@@ -215,85 +377,17 @@ def main(argv=None) -> int:
     layers = args.layers or stages
     if layers % stages:
         raise SystemExit(f"--layers={layers} must be a multiple of the {stages} stages")
-    dtype = jnp.dtype(args.dtype)
-    d, heads, seq, vocab = args.hidden, args.heads, args.seq, args.vocab
-    if args.microbatch_size % args.data_axis or d % args.model_axis:
+    if args.microbatch_size % args.data_axis or args.hidden % args.model_axis:
         raise SystemExit(f"--microbatch-size={args.microbatch_size} must be a multiple of "
-                         f"--data-axis={args.data_axis}, --hidden={d} of "
+                         f"--data-axis={args.data_axis}, --hidden={args.hidden} of "
                          f"--model-axis={args.model_axis}")
-
-    def init_params(key):
-        ks = iter(jax.random.split(key, 6 * layers + 4))
-        normal = lambda shape, scale: (jax.random.normal(next(ks), shape) * scale).astype(dtype)
-        params = {
-            "embed": normal((vocab, d), 0.02),
-            "pos": normal((seq, d), 0.01),
-            "blocks": [{
-                "ln1": jnp.ones(d, dtype), "qkv": normal((d, 3 * d), d ** -0.5),
-                "proj": normal((d, d), (2 * layers * d) ** -0.5), "ln2": jnp.ones(d, dtype),
-                "up": normal((d, 4 * d), d ** -0.5),
-                "down": normal((4 * d, d), (2 * layers * 4 * d) ** -0.5),
-            } for _ in range(layers)],
-            "ln_f": jnp.ones(d, dtype),
-        }
-        if not args.tied:
-            params["head"] = normal((d, vocab), d ** -0.5)
-        return params
-
-    def layernorm(x, g):
-        x32 = x.astype(jnp.float32)
-        mu = x32.mean(-1, keepdims=True)
-        var = ((x32 - mu) ** 2).mean(-1, keepdims=True)
-        return ((x32 - mu) * jax.lax.rsqrt(var + 1e-5)).astype(x.dtype) * g
-
-    def block(p, h):
-        x = layernorm(h, p["ln1"])
-        q, k, v = jnp.split(x @ p["qkv"], 3, axis=-1)
-        split = lambda t: t.reshape(*t.shape[:-1], heads, d // heads).swapaxes(-2, -3)
-        q, k, v = split(q), split(k), split(v)
-        scores = (q @ k.swapaxes(-1, -2)).astype(jnp.float32) / np.sqrt(d // heads)
-        mask = jnp.tril(jnp.ones((seq, seq), bool))
-        att = jax.nn.softmax(jnp.where(mask, scores, -1e9), axis=-1).astype(dtype) @ v
-        h = h + att.swapaxes(-2, -3).reshape(h.shape) @ p["proj"]
-        return h + jax.nn.gelu(layernorm(h, p["ln2"]) @ p["up"]) @ p["down"]
-
-    per_stage = layers // stages
-
-    def loss_fn(params, mb):
-        h = params["embed"][mb["inputs"]] + params["pos"]
-        for s in range(stages):
-            for p in params["blocks"][s * per_stage:(s + 1) * per_stage]:
-                h = block(p, h)
-            h = jaxpp_mpi.mark_stage_end(h)
-        head = params["embed"].T if args.tied else params["head"]
-        logits = (layernorm(h, params["ln_f"]) @ head).astype(jnp.float32)
-        logp = jax.nn.log_softmax(logits)
-        return -jnp.take_along_axis(logp, mb["targets"][..., None], axis=-1).mean()
-
-    def param_specs(params):
-        """Megatron-style layouts: column-split the first linear of attention and MLP
-        over "model", row-split the second; everything else replicated."""
-        column, row = P(None, "model"), P("model", None)
-        split = {"qkv": column, "proj": row, "up": column, "down": row}
-        specs = jax.tree.map(lambda _: P(), params)
-        specs["blocks"] = [{k: split.get(k, P()) for k in b} for b in params["blocks"]]
-        return specs
-
+    cfg = ModelConfig(vocab=args.vocab, hidden=args.hidden, heads=args.heads, seq=args.seq,
+                      layers=layers, tied=args.tied, dtype=args.dtype)
     optimizer = optax.adam(args.lr)
-
-    def train_step(opt_state, params, batch):
-        loss_and_grad = partial(jax.value_and_grad(loss_fn), params)
-        losses, grads = jaxpp_mpi.treduce(loss_and_grad, batch, schedule=sched)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return opt_state, optax.apply_updates(params, updates), losses.mean()
-
-    # Synthetic data with structure to learn: each token is the previous plus one.
-    rng = np.random.default_rng(0)
-    starts = rng.integers(0, vocab, (args.num_microbatches, args.microbatch_size, 1))
-    tokens = (starts + np.arange(seq + 1)) % vocab
-    batch = {"inputs": jnp.asarray(tokens[..., :-1], jnp.int32),
-             "targets": jnp.asarray(tokens[..., 1:], jnp.int32)}
-    params = init_params(jax.random.PRNGKey(0))
+    train_step = make_train_step(partial(loss_fn, cfg=cfg, num_stages=stages), sched,
+                                 optimizer)
+    batch = synthetic_batch(cfg, args.num_microbatches, args.microbatch_size)
+    params = init_params(jax.random.PRNGKey(0), cfg)
     opt_state = optimizer.init(params)
 
     in_shardings = out_shardings = None  # one device per group: nothing to split
@@ -327,7 +421,7 @@ def main(argv=None) -> int:
                   "share (unit task times; after a --trace step, its task times)", flush=True)
             print(f"{'step':>5}  {'loss':>8}  {'time ms':>9}  {'tokens/s':>10}  {'bubble':>6}",
                   flush=True)
-        tokens = args.num_microbatches * args.microbatch_size * seq
+        tokens = args.num_microbatches * args.microbatch_size * args.seq
         traced = min(1, args.steps - 1) if args.trace else -1  # after one warm-up step
         losses: list = []
         state = (opt_state, params)
@@ -396,7 +490,7 @@ def main(argv=None) -> int:
     if rank != 0:
         return 0
     # The reference: the same step in this one process, with no pipeline.
-    ref_params = init_params(jax.random.PRNGKey(0))
+    ref_params = init_params(jax.random.PRNGKey(0), cfg)
     ref_state = (optimizer.init(ref_params), ref_params)
     ref_step = jax.jit(train_step)
     ref_losses = []
@@ -408,7 +502,7 @@ def main(argv=None) -> int:
                  for path, x in jax.tree_util.tree_leaves_with_path(ref_state[1])}
     ranks_per_replica = 1 if mesh.is_local else groups  # local: one process holds all
     return check_against_jit(losses, ref_losses, gathered, reference, ranks_per_replica,
-                             float32=dtype == jnp.float32)
+                             float32=args.dtype == "float32")
 
 
 def check_against_jit(losses: list[float], ref_losses: list[float],
@@ -424,8 +518,6 @@ def check_against_jit(losses: list[float], ref_losses: list[float],
       ranks_per_replica: ranks per pipeline replica, in job rank order.
       float32: the run's dtype is float32 (tighter tolerances than bfloat16).
     """
-    import numpy as np
-
     tol, param_tol = (1e-4, 1e-3) if float32 else (5e-2, 5e-2)
     diff = float(np.max(np.abs(np.array(losses) - np.array(ref_losses))))
     print(f"max |loss - jax.jit loss| over {len(losses)} steps: {diff:.3g} "

@@ -5,7 +5,8 @@ stalls in step 6 of 8 back-to-back steps), stall-trace (rank 1 stalls while trac
 and, without any step, rank 1 stalling before: stall-should-stop
 (`PreemptionGuard.should_stop`), stall-save (`checkpoint.save`), stall-reshard
 (`spmd_to_mpmd_reshard`), stall-user (a user's bcast under `jaxpp_mpi.launch.deadline`).
-The job must end promptly (or finish, for `none`), never hang."""
+The job must end promptly (or finish, for `none`), never hang. replica_faults.py imports
+its loss (`probed_loss`) and `wait_for`."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from functools import partial
 
 import jax
@@ -80,13 +82,26 @@ def on_rank_1_in_stage_1(x):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def loss_fn(params, x):
-    for s, w in enumerate(params):
-        x = jnp.tanh(x @ w)
-        if s == 1:
-            jax.debug.callback(on_rank_1_in_stage_1, x)
-        x = jaxpp_mpi.mark_stage_end(x)
-    return jnp.mean(x ** 2)
+def probed_loss(in_stage_1: Callable[[jax.Array], None]):
+    """The MLP's loss, `tanh(x @ w)` per stage, with `in_stage_1(x)` called from inside
+    stage 1's executable (a host callback, on every rank that runs it)."""
+
+    def loss_fn(params, x):
+        for s, w in enumerate(params):
+            x = jnp.tanh(x @ w)
+            if s == 1:
+                jax.debug.callback(in_stage_1, x)
+            x = jaxpp_mpi.mark_stage_end(x)
+        return jnp.mean(x ** 2)
+
+    return loss_fn
+
+
+def wait_for(out) -> None:
+    """Blocks until this rank's parts of a step's outputs are computed."""
+    for x in jax.tree.leaves(out):
+        if x.is_partially_addressable:
+            np.asarray(x.first_mpmd_replica)
 
 
 def main() -> None:
@@ -102,17 +117,14 @@ def main() -> None:
             raise ValueError("deliberate exception while tracing on rank 1")
         if FAULT == "stall-trace":
             stall_on_rank_1()
-        grad = partial(jax.value_and_grad(loss_fn), params)
+        grad = partial(jax.value_and_grad(probed_loss(on_rank_1_in_stage_1)), params)
         return jaxpp_mpi.treduce(grad, batch, schedule=jaxpp_mpi.Std1F1B(size))
 
     pipelined = jaxpp_mpi.mpmd_jit_with_loop(step, mpmd_mesh=mesh)
     batch = np.ones((4, 2, 8), np.float32)
     for k in range(1, STEPS + 1):
         step_now[0] = k
-        out = pipelined(params, batch)
-        for x in jax.tree.leaves(out):
-            if x.is_partially_addressable:
-                np.asarray(x.first_mpmd_replica)
+        wait_for(pipelined(params, batch))
     print(f"rank {RANK} finished", flush=True)
 
 
