@@ -51,7 +51,7 @@ def bench_size(comm, nbytes: int, reps: int, paths: tuple[str, ...] | None = Non
     plan = ShardPlan(Aval((n,), "float32"), NamedSharding(mesh, PartitionSpec()))
     messenger = _Messenger(comm, 1)
     chain = chains.Chain(jax.devices()[0])
-    (_, send), (_, recv) = messenger.send(plan, 0, peer, 0), messenger.recv(plan, 0, peer, 0)
+    (_, send), (_, recv) = messenger.send(plan, 0, peer), messenger.recv(plan, 0, peer)
 
     def chain_step():
         if rank == 0:

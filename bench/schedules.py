@@ -35,13 +35,16 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/_common.py, p2p.py
 
-from _common import fit_message_cost, load_message_cost, metadata, write_json  # noqa: E402
-
-from jaxpp_mpi.schedules import (  # noqa: E402 - no JAX import
-    SCHEDULE_NAMES,
-    analyze_schedule,
-    schedule_by_name,
+from _common import (  # noqa: E402
+    add_block_options,
+    block_options,
+    fit_message_cost,
+    load_message_cost,
+    metadata,
+    write_json,
 )
+
+from jaxpp_mpi.schedules import analyze_schedule, schedule_by_name  # noqa: E402 - no JAX import
 
 DEFAULT_SCHEDULES = (
     "gpipe",
@@ -56,21 +59,14 @@ DEFAULT_SCHEDULES = (
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument(
-        "--schedules",
-        default=",".join(DEFAULT_SCHEDULES),
-        help=f"comma-separated, from {', '.join(SCHEDULE_NAMES)}",
-    )
-    p.add_argument("--width", type=int, default=1024)
-    p.add_argument("--ffn", type=int, default=4096)
-    p.add_argument("--blocks", type=int, default=8)
-    p.add_argument("--rows", type=int, default=16)
-    p.add_argument("--microbatches", dest="num_microbatches", type=int, default=8)
-    p.add_argument(
-        "--repeats",
-        type=int,
-        default=15,
-        help="rounds (each: every schedule plain and traced, and jax.jit)",
+    add_block_options(
+        p,
+        schedules=DEFAULT_SCHEDULES,
+        width=1024,
+        ffn=4096,
+        repeats=15,
+        repeats_help="rounds (each: every schedule plain and traced, and jax.jit)",
+        quick_help="d=256, ffn=1024, 3 rounds (a smoke run)",
     )
     p.add_argument(
         "--p2p",
@@ -83,16 +79,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=None,
         help="folder for a Chrome trace and the program text of each schedule",
     )
-    p.add_argument("--quick", action="store_true", help="d=256, ffn=1024, 3 rounds (a smoke run)")
     p.add_argument("--out", default="bench/results/schedules.json")
-    args = p.parse_args(argv)
-    if args.quick:
-        args.width, args.ffn, args.repeats = 256, 1024, 3
-    args.schedules = [s for s in args.schedules.split(",") if s]
-    unknown = [s for s in args.schedules if s not in SCHEDULE_NAMES]
-    if unknown:
-        p.error(f"unknown schedule(s) {unknown}; the names are {', '.join(SCHEDULE_NAMES)}")
-    return args
+    return block_options(p, p.parse_args(argv))
 
 
 # ----------------------------------------------------------------------------- the workload
@@ -188,7 +176,7 @@ def ideal_factor(sched, num_microbatches: int) -> float:
     return a.makespan / sum(a.busy)
 
 
-def breakdown(events, wall_ms: float, cost) -> dict[str, float]:
+def breakdown(events, wall_ms: float, done_ms: float, cost) -> dict[str, float]:
     """Where one rank's traced step goes, in ms (see `Note: trace events`).
 
     A traced step runs one instruction at a time: every task blocks until its results
@@ -196,9 +184,12 @@ def breakdown(events, wall_ms: float, cost) -> dict[str, float]:
       `compute`: the tasks' executables (pipeline tasks: F, B, I, W and fused ones);
       `message_transfer`: what the message model says the messages cost;
       `message_wait`: the rest of the message calls, i.e. waiting for the peer;
-      `other`: the step's wall time minus all that: Python dispatch of every
-        instruction, executables outside the microbatch loop, placing inputs,
-        collecting outputs (copies included).
+      `other`: the rank's own time (`done_ms`: from the opening barrier to its results
+        being ready) minus all that: Python dispatch of every instruction, executables
+        outside the microbatch loop, placing inputs, collecting outputs (copies
+        included);
+      `idle_end`: `wall_ms - done_ms`, the rank idle at the closing barrier once its
+        part is done (the other rank's cooldown: part of the bubble, not a cost).
     """
     compute = sum(e.end_ns - e.start_ns for e in events if e.cat == "task") * 1e-6
     message = sum(e.end_ns - e.start_ns for e in events if e.cat == "message") * 1e-6
@@ -215,7 +206,8 @@ def breakdown(events, wall_ms: float, cost) -> dict[str, float]:
         "compute": compute,
         "message_transfer": min(transfer, message),
         "message_wait": max(0.0, message - transfer),
-        "other": wall_ms - compute - message,
+        "other": done_ms - compute - message,
+        "idle_end": wall_ms - done_ms,
         "tasks": sum(1 for e in events if e.cat == "task"),
         "messages": sum(1 for e in events if e.cat == "message"),
     }
@@ -352,10 +344,13 @@ def main() -> None:
         jax.block_until_ready(held)
         return losses
 
+    done: list[float] = []  # the last timed call's own time (ms), before the closing barrier
+
     def timed(fn) -> float:
         comm.Barrier()
         start = time.perf_counter()
         fn()
+        done[:] = [(time.perf_counter() - start) * 1e3]
         comm.Barrier()
         return (time.perf_counter() - start) * 1e3
 
@@ -411,7 +406,7 @@ def main() -> None:
             for e in events:
                 if e.cat == "task":
                     task_times[name].setdefault(e.name, []).append((e.end_ns - e.start_ns) * 1e-6)
-            parts[name].append(breakdown(events, traced_ms, cost))
+            parts[name].append(breakdown(events, traced_ms, done[0], cost))
             last_events[name] = events
         jit_times.append(timed(run_reference))
     jit_ms = float(np.median(jit_times))
@@ -494,11 +489,11 @@ def main() -> None:
         )
         print(
             f"{'schedule':<26} {'step':>8} {'ideal':>8} {'frac':>5} {'pred':>8} "
-            f"{'ovh':>5} {'sched':>8}  per rank: compute/wait/other ms (traced step)"
+            f"{'ovh':>5} {'sched':>8}  per rank: compute/wait/other/idle_end ms (traced step)"
         )
         for name, r in results.items():
             parts = "  ".join(
-                f"{b['compute']:.0f}/{b['message_wait']:.0f}/{b['other']:.0f}"
+                f"{b['compute']:.0f}/{b['message_wait']:.0f}/{b['other']:.0f}/{b['idle_end']:.0f}"
                 for b in r["breakdown"]
             )
             print(
