@@ -20,6 +20,11 @@ traced, in rotated order, and the reference once, on rank 0 while rank 1 waits):
   median time measured for its task (traced steps, one per round) and every message at the measured
   `latency + bytes / bandwidth` (`MessageCost`, fitted to a ping-pong of the runtime's
   message chains in this run); `overhead` = step_ms / predicted_ms;
+- `bound_ms`: the schedule's own dataflow timeline (`schedule_makespan`) when every task
+  takes its executable's XLA FLOPs at jax.jit's measured time per FLOP, messages at the
+  fitted cost: what a runtime adding nothing reaches on this stage split (the stages'
+  FLOPs differ: the first stage computes no input gradient); `fraction_at_bound` =
+  ideal_ms / bound_ms, the best `fraction` such a runtime could show;
 - `breakdown`: per rank, where a traced step's time goes (see `breakdown`).
 Rank 0 writes the JSON (`--out`).
 """
@@ -275,6 +280,25 @@ def task_sums(medians: dict[str, float]) -> dict[str, float]:
     return sums
 
 
+def flop_task_ms(program, per_exe: dict[int, dict[str, float]], ms_per_flop: float):
+    """Per task label, the time its executable's XLA FLOPs take at `ms_per_flop`.
+
+    Args:
+      program: the lowered program (`compiled.program()`).
+      per_exe: per group, `{executable name: per-device FLOPs of one run}`
+        (`compiled.cost_analysis()[g]["per_executable"]`, gathered from the ranks).
+      ms_per_flop: jax.jit's measured step time over its FLOPs.
+    """
+    from jaxpp_mpi._src.ir.program import Run
+
+    return {
+        i.task: per_exe[g.mpmd_idx][i.exe] * ms_per_flop
+        for g in program.groups
+        for i in g.instrs
+        if isinstance(i, Run) and i.task
+    }
+
+
 # ----------------------------------------------------------------------------- the run
 
 
@@ -320,6 +344,11 @@ def main() -> None:
     if rank == 0:
         ref = jax.jit(reference_step(n)).lower(params, batch).compile()
         ref_loss, _ = jax.block_until_ready(ref(params, batch))
+    # jax.jit's FLOPs: one microbatch's forward + backward, times n (XLA's cost analysis
+    # counts the scan's loop body once).
+    one = jax.jit(jax.value_and_grad(partial(loss_fn, num_microbatches=n)))
+    one_flops = one.lower(params, jax.tree.map(lambda x: x[0], batch)).compile().cost_analysis()
+    jit_flops = n * float((one_flops[0] if isinstance(one_flops, list) else one_flops)["flops"])
     scheds, compiled = {}, {}
     for name in args.schedules:
         sched = schedule_by_name(name, 2)
@@ -419,6 +448,10 @@ def main() -> None:
         for part in comm.allgather(medians):
             all_medians.update(part)
         program = exe.program()
+        per_exe = {}
+        for g, entry in enumerate(comm.allgather(exe.cost_analysis()[rank])):
+            per_exe[g] = entry["per_executable"]
+        flop_ms = flop_task_ms(program, per_exe, jit_ms / jit_flops)
         latency = lambda run, m=all_medians: m.get(run.task, 0.0)  # noqa: E731
         predicted = simulate(program, latency=latency, transfer=cost, check_leaks=False)
         predicted_free = simulate(program, latency=latency, check_leaks=False)
@@ -444,6 +477,7 @@ def main() -> None:
         sim_rank_busy = [
             sum(e.end - e.start for e in g if hasattr(e.instr, "exe")) for g in predicted.events
         ]
+        bound_ms = schedule_makespan(sched, n, flop_ms, cost(act_aval))
         results[name] = {
             "schedule": repr(sched),
             "step_ms": step_ms,
@@ -456,6 +490,9 @@ def main() -> None:
             "predicted_free_messages_ms": predicted_free.makespan,
             "schedule_ms": schedule_makespan(sched, n, all_medians, cost(act_aval)),
             "overhead": step_ms / predicted.makespan,
+            "flops_over_jit": sum(flop_ms.values()) / (jit_ms),
+            "bound_ms": bound_ms,
+            "fraction_at_bound": ideal_ms / bound_ms,
             "predicted_busy_ms": sim_rank_busy,
             "task_ms": all_medians,
             "task_sum_ms": task_sums(all_medians),
@@ -489,7 +526,8 @@ def main() -> None:
         )
         print(
             f"{'schedule':<26} {'step':>8} {'ideal':>8} {'frac':>5} {'pred':>8} "
-            f"{'ovh':>5} {'sched':>8}  per rank: compute/wait/other/idle_end ms (traced step)"
+            f"{'ovh':>5} {'sched':>8} {'bound':>8} {'best':>5}  per rank: "
+            "compute/wait/other/idle_end ms (traced step)"
         )
         for name, r in results.items():
             parts = "  ".join(
@@ -499,7 +537,8 @@ def main() -> None:
             print(
                 f"{name:<26} {r['step_ms']:>8.1f} {r['ideal_ms']:>8.1f} "
                 f"{r['fraction_of_ideal']:>5.2f} {r['predicted_ms']:>8.1f} "
-                f"{r['overhead']:>5.2f} {r['schedule_ms']:>8.1f}  {parts}",
+                f"{r['overhead']:>5.2f} {r['schedule_ms']:>8.1f} {r['bound_ms']:>8.1f} "
+                f"{r['fraction_at_bound']:>5.2f}  {parts}",
                 flush=True,
             )
         print(f"wrote {args.out}", flush=True)

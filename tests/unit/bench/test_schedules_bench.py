@@ -58,3 +58,31 @@ def test_breakdown_never_counts_more_transfer_than_the_message_took():
 )
 def test_ideal_factor_is_the_schedules_bubble(name, stages, factor):
     assert bench.ideal_factor(schedule_by_name(name, stages), 8) == pytest.approx(factor)
+
+
+def test_flop_task_ms_times_each_run_by_its_executables_flops():
+    from jaxpp_mpi._src.ir.program import Program
+
+    program = Program.parse(
+        """\
+group 0
+  inputs %0=0
+  run f0 (%0) -> (%1)  task=F0s0
+  send %1 -> 1 tag=0
+  free %0 %1
+  aval %0 float32[1]
+  aval %1 float32[1]
+group 1
+  recv %0 <- 0 tag=0 float32[1]
+  run f1_first (%0) -> (%1)  task=F0s1
+  free %0
+  outputs %1=0
+  aval %0 float32[1]
+  aval %1 float32[1]
+"""
+    )
+    per_exe = {0: {"f0": 2e9}, 1: {"f1_first": 3e9, "f1": 3e9}}
+    assert bench.flop_task_ms(program, per_exe, ms_per_flop=1e-8) == {
+        "F0s0": pytest.approx(20.0),
+        "F0s1": pytest.approx(30.0),
+    }
