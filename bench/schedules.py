@@ -84,6 +84,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=None,
         help="folder for a Chrome trace and the program text of each schedule",
     )
+    p.add_argument(
+        "--tuned",
+        action="store_true",
+        help="also run each schedule lowered for its own task times (their medians over "
+        "3 steps, `task_times_ms`), as the contender 'NAME+tuned' where the program differs",
+    )
     p.add_argument("--out", default="bench/results/schedules.json")
     return block_options(p, p.parse_args(argv))
 
@@ -403,6 +409,34 @@ def main() -> None:
         if not np.isclose(value, ref_value, rtol=1e-4):
             raise SystemExit(f"{name}: loss {value} differs from jax.jit's {ref_value}")
     run_reference()
+
+    if args.tuned:  # each schedule again, lowered for its own measured task times
+        for name in list(args.schedules):
+            with jaxpp_mpi.collect_task_times_ms() as stats:
+                for _ in range(3):
+                    run_pipelined(name)
+            medians: dict[str, float] = {}
+            for part in comm.allgather({k: float(np.median(v)) for k, v in stats.items()}):
+                medians.update(part)
+            tuned = jaxpp_mpi.mpmd_jit_with_loop(
+                pipelined_step(scheds[name], n), mpmd_mesh=mesh, task_times_ms=medians
+            ).compile(params, batch)
+            if tuned.program() == compiled[name].program():
+                if rank == 0:
+                    print(f"{name}: the same program for its measured times", flush=True)
+                continue
+            tname = f"{name}+tuned"
+            scheds[tname], compiled[tname] = scheds[name], tuned
+            args.schedules.append(tname)
+            run_pipelined(tname)
+            out = run_pipelined(tname)
+            value = (
+                float(np.asarray(out.first_mpmd_replica).sum())
+                if out.is_partially_addressable
+                else None
+            )
+            if not np.isclose(comm.bcast(value, root=min(out.mpmd_idxs)), ref_value, rtol=1e-4):
+                raise SystemExit(f"{tname}: loss differs from jax.jit's {ref_value}")
 
     # Rounds: per schedule (rotated order) one plain step and one traced step (task by
     # task: its task times feed the prediction, its events the breakdown), then the

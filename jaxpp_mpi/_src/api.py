@@ -30,10 +30,11 @@ import functools
 import hashlib
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 from jax.extend import core as jex_core
 from jax.sharding import PartitionSpec
 
@@ -89,7 +90,8 @@ class MpmdFunction:
                  out_shardings: Any, donate_argnums: Any = None, *,
                  static_argnums: Any = None, static_argnames: Any = None,
                  donate_argnames: Any = None,
-                 compiler_options: dict[str, Any] | None = None):
+                 compiler_options: dict[str, Any] | None = None,
+                 task_times_ms: Mapping[str, float] | None = None):
         if not isinstance(mpmd_mesh, MpmdMesh):
             raise TypeError(f"mpmd_mesh must be an MpmdMesh, got {type(mpmd_mesh).__name__}")
         if compiler_options is not None and not (
@@ -106,6 +108,7 @@ class MpmdFunction:
             fun, static_argnums=static_argnums, static_argnames=static_argnames,
             donate_argnums=donate_argnums, donate_argnames=donate_argnames)
         self._compiler_options = dict(compiler_options or {})
+        self._task_times_ms = _task_times(task_times_ms)
         self._cache: dict[Any, MpmdCompiled] = {}
 
     def compile(self, *args: Any, **kwargs: Any) -> MpmdCompiled:
@@ -275,7 +278,8 @@ class MpmdFunction:
                           out_specs=out_specs, donate=donate, what=f"{name}", mesh=mesh,
                           num_replicas=mesh.num_replicas,
                           replica_bucket_bytes=config.options().replica_bucket_bytes,
-                          replica_dims=replica_dims, arg_names=leaf_paths)
+                          replica_dims=replica_dims, arg_names=leaf_paths,
+                          task_times_ms=self._task_times_ms)
         if out_specs is not None:
             out_paths = paths((jax.tree.unflatten(plan.out_tree, plan.output_avals),))
             for k, (spec, aval) in enumerate(zip(out_specs, plan.output_avals)):
@@ -363,6 +367,7 @@ def mpmd_jit_with_loop(
     donate_argnums: int | Sequence[int] | None = None,
     donate_argnames: str | Iterable[str] | None = None,
     compiler_options: dict[str, Any] | None = None,
+    task_times_ms: Mapping[str, float] | None = None,
 ) -> MpmdFunction | Callable[[Callable], MpmdFunction]:
     """Compiles a training step that calls `treduce` once into a pipelined MPMD step.
 
@@ -385,13 +390,21 @@ def mpmd_jit_with_loop(
       donate_argnums / donate_argnames: arguments whose buffers the step may reuse
         (e.g. params and optimizer state); do not use them after the call.
       compiler_options: XLA options for every stage executable, as for `jax.jit`.
+      task_times_ms: measured task times in ms by task label ('F3s1', 'W0s2'), e.g. each
+        label's median from `collect_task_times_ms` over earlier steps of the same step,
+        gathered from every rank (each rank times only its own tasks). Given, the
+        compiler orders each group's messages for these times (`Note: timed order` in
+        compiler/lower.py) instead of for the best case across task-time models; labels
+        it lacks take the mean of their kind. Results are unchanged; only the program's
+        order differs. Pass the same times on every rank (the ranks agree on the
+        program: different times are refused as different programs).
 
     Returns:
       An `MpmdFunction` (used as a decorator without `fun`, the decorator).
 
     Raises:
-      TypeError: `mpmd_mesh` is not an `MpmdMesh`, a malformed argnum, argname or
-        `compiler_options`.
+      TypeError: `mpmd_mesh` is not an `MpmdMesh`, a malformed argnum, argname,
+        `compiler_options` or `task_times_ms`.
       ValueError: both names of one option, an argnum or argname the function has no
         parameter for, or an argument both static and donated.
     """
@@ -405,10 +418,28 @@ def mpmd_jit_with_loop(
         out_shardings=out_specs if out_shardings is None else out_shardings,
         static_argnums=static_argnums, static_argnames=static_argnames,
         donate_argnums=donate_argnums, donate_argnames=donate_argnames,
-        compiler_options=compiler_options)
+        compiler_options=compiler_options, task_times_ms=task_times_ms)
     if fun is None:
         return functools.partial(_wrap, mpmd_mesh=mpmd_mesh, **options)
     return _wrap(fun, mpmd_mesh, **options)
+
+
+def _task_times(task_times_ms: Any) -> dict[str, float] | None:
+    """`task_times_ms` checked: None, or a dict of task label to a finite time >= 0."""
+    if task_times_ms is None:
+        return None
+    bad = TypeError(
+        "task_times_ms must map task labels (str, e.g. 'F3s1') to times in ms (finite "
+        f"numbers >= 0), as collect_task_times_ms gives them; got {task_times_ms!r}")
+    if not isinstance(task_times_ms, Mapping):
+        raise bad
+    out = {}
+    for label, t in task_times_ms.items():
+        if not isinstance(label, str) or isinstance(t, bool) or not isinstance(
+                t, (int, float, np.floating, np.integer)) or not 0 <= float(t) < float("inf"):
+            raise bad
+        out[label] = float(t)
+    return out
 
 
 def _wrap(fun: Callable, mpmd_mesh: MpmdMesh | None, *, in_shardings: Any,

@@ -14,7 +14,7 @@ import dataclasses
 import functools
 import math
 from collections import Counter
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
@@ -393,6 +393,7 @@ def build_step(
     replica_bucket_bytes: int = 64 << 20,
     replica_dims: Sequence[int | None] | None = None,
     arg_names: Sequence[str] | None = None,
+    task_times_ms: Mapping[str, float] | None = None,
 ) -> StepPlan:
     """Compiles `fun(*args)` into a StepPlan for `num_groups` MPMD groups.
 
@@ -412,6 +413,8 @@ def build_step(
       replica_dims: per flat argument, the dimension split over the replicas (the
         argument is a replica's share: `Note: replica shares`), or None.
       arg_names: per flat argument, its path (for errors).
+      task_times_ms: measured task times by task label, or None: the lowering orders
+        messages for them (`build_program_with_names`).
 
     Returns:
       The StepPlan.
@@ -480,7 +483,7 @@ def build_step(
     inputs = _step_inputs(homes.input_owner, input_avals, lt.mb_values, avals)
     graph = TaskGraph(num_groups, tasks, inputs.bindings, outputs.values, avals)
     try:
-        program, buffer_names = build_program_with_names(graph)
+        program, buffer_names = build_program_with_names(graph, task_times_ms)
     except ValueError as e:
         raise CompileError(f"{what}: internal error while building the program: {e}") from e
     if num_replicas > 1:

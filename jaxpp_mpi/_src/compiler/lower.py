@@ -512,6 +512,77 @@ def _dataflow_scores(graph: TaskGraph) -> tuple[float, ...]:
     return tuple(out)
 
 
+def _measured_estimate(graph: TaskGraph, task_ms: Mapping[str, float]) -> dict[str, float]:
+    """Per task name, its time in `task_ms` (keyed by task label, as
+    `collect_task_times_ms` gives them); a task missing there is the sum over its label's
+    parts ('F3s1+B1s1'): a part's own time if given, else the mean time of the given
+    single-part tasks of its kind (of all given tasks where none is of that kind); a
+    segment (no pipeline label) missing there takes 0."""
+    by_kind: dict[int, list[float]] = {}
+    for label, t in task_ms.items():
+        kinds = _label_kinds(label)
+        if len(kinds) == 1:
+            by_kind.setdefault(kinds[0], []).append(float(t))
+    given = [float(t) for t in task_ms.values()]
+    overall = sum(given) / len(given) if given else 0.0
+    mean = {k: sum(ts) / len(ts) for k, ts in by_kind.items()}
+    out = {}
+    for ts in graph.tasks:
+        for t in ts:
+            if t.name in task_ms:
+                out[t.name] = float(task_ms[t.name])
+                continue
+            total = 0.0
+            for part in t.name.split("+"):
+                if part in task_ms:
+                    total += float(task_ms[part])
+                else:
+                    total += sum(mean.get(k, overall) for k in _label_kinds(part))
+            out[t.name] = total
+    return out
+
+
+def _makespan(program: Program, latency: Mapping[str, float]) -> float:
+    """`simulate.simulate`'s makespan with free messages, each Run taking its task's time
+    in `latency` (as `_scores`, for one set of times)."""
+    instrs = [g.instrs for g in program.groups]
+    now = [0.0] * len(instrs)
+    for e in rendezvous.play(program):
+        if isinstance(e, rendezvous.Matched):
+            (s, _), (d, _) = e.send, e.recv
+            now[s] = now[d] = max(now[s], now[d])
+        elif isinstance(run := instrs[e.group][e.index], Run):
+            now[e.group] += latency.get(run.task, 0.0)
+    return max(now, default=0.0)
+
+
+def _lower_measured(graph: TaskGraph, task_ms: Mapping[str, float]) -> tuple[Program, BufferNames]:
+    """The fastest of the round order and the timed orders under measured task times.
+
+    The timed walks run eager and lazy on the measured times and on each estimate of
+    `_ESTIMATES`; every candidate is played with the measured times (`_makespan`), and
+    the fastest wins, the earlier one (the round order first) on ties. With the times
+    known, no hedging over task-time models is needed (`Note: timed order`).
+    """
+    measured = _measured_estimate(graph, task_ms)
+    rounds = _finish(_Lowering(graph))
+    best, best_time = rounds, _makespan(rounds[0], measured)
+    seen: set[tuple[tuple[Instr, ...], ...]] = set()
+    for estimate in (measured, *(_estimate(graph, m) for m in _ESTIMATES)):
+        for eager in (True, False):
+            walk = _TimedLowering(graph, estimate, eager)
+            walk.run()
+            key = tuple(tuple(gs.instrs) for gs in walk.groups)
+            if key in seen:
+                continue
+            seen.add(key)
+            candidate = _passes(walk)
+            t = _makespan(candidate[0], measured)
+            if t < best_time - 1e-9:
+                best, best_time = candidate, t
+    return best
+
+
 def _lower_best(graph: TaskGraph) -> tuple[Program, BufferNames]:
     """The best of the round order and the timed orders (`Note: timed order`).
 
@@ -546,7 +617,9 @@ def _lower_best(graph: TaskGraph) -> tuple[Program, BufferNames]:
     return best
 
 
-def build_program_with_names(graph: TaskGraph) -> tuple[Program, BufferNames]:
+def build_program_with_names(
+    graph: TaskGraph, task_ms: Mapping[str, float] | None = None
+) -> tuple[Program, BufferNames]:
     """Lowers `graph` to a verified Program, and names every buffer.
 
     The lowering pass: validates the graph, walks it in rounds (see `Note: global
@@ -569,6 +642,9 @@ def build_program_with_names(graph: TaskGraph) -> tuple[Program, BufferNames]:
 
     Args:
       graph: the task graph.
+      task_ms: measured task times (ms) by task label, or None. Given, the walks also
+        run on these times and the fastest program under them is kept
+        (`_lower_measured`) instead of the one best across task-time models.
 
     Returns:
       The program, and per group a dict from buffer id to the value it holds.
@@ -580,7 +656,7 @@ def build_program_with_names(graph: TaskGraph) -> tuple[Program, BufferNames]:
       ProgramError: if the result does not verify (a bug in this pass).
     """
     graph.validate()
-    program, names = _lower_best(graph)
+    program, names = _lower_best(graph) if not task_ms else _lower_measured(graph, task_ms)
     program = program_passes.add_frees(program)
     simulate.verify(program)
     return program, names

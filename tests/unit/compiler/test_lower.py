@@ -543,3 +543,57 @@ def test_bench_compares_with_the_schedules_own_timeline():
     r = bench.makespans(program, schedule, 8, task_ms, None, ACT)
     assert r["lowered"] == r["schedule"] == 33.0
     assert bench.compare(program, schedule, 8, task_ms, None, ACT)["rounds_lowered"] == 34.0
+
+
+# Measured-like task times (bench/schedules.py's workload on 2 ranks: I and W each ~1.4 F,
+# the first stage's W, which also does I's work, ~2.5 F). With these times given, the
+# lowering keeps the fastest program under them.
+MEASURED = {TaskType.FWD: 1.0, TaskType.BWD: 2.8, TaskType.BWD_I: 1.4, TaskType.BWD_W: 1.4}
+
+
+def _measured_times(program, first_w: float = 2.5):
+    def per(label, kind, stage):
+        return first_w if (kind == "W" and stage == 0) else MEASURED[TaskType(kind)]
+
+    return bench.label_times(program, per)
+
+
+@pytest.mark.parametrize(
+    "name,groups,num_microbatches,gains,within",
+    [
+        # (gains: strictly faster than the program lowered without times; within: the
+        # makespan under the given times over the schedule's own timeline, at most)
+        ("zerobubble", 2, 8, True, 1.005),  # 32.5 -> 31.5, own 31.4
+        ("dualpipev", 4, 8, True, 1.05),  # 68.7 -> 66.7, own 64.0
+        ("interleaved", 2, 8, False, 1.0),  # already at its own timeline
+        ("dualpipev", 2, 8, False, 1.02),  # 62.5 either way, own 61.8
+    ],
+)
+def test_given_task_times_never_lose_and_approach_the_schedules_timeline(
+    name, groups, num_microbatches, gains, within
+):
+    schedule = SCHEDULES[name](groups)
+    graph = schedule_graph(schedule, num_microbatches)
+    default = build_program(graph)
+    task_ms = _measured_times(default)
+    tuned, _ = build_program_with_names(graph, task_ms)
+    verify(tuned)
+    latency = lambda run: sum(task_ms[p] for p in run.task.split("+"))  # noqa: E731
+    own = bench.workload.schedule_makespan(schedule, num_microbatches, task_ms, 0.0)
+    t_default = simulate(default, latency).makespan
+    t_tuned = simulate(tuned, latency).makespan
+    assert own <= t_tuned <= t_default
+    assert (t_tuned < t_default) == gains
+    assert t_tuned <= own * within + 1e-9
+    assert lower._makespan(tuned, lower._measured_estimate(graph, task_ms)) == pytest.approx(
+        t_tuned
+    )
+
+
+def test_given_task_times_fill_missing_labels_by_kind():
+    graph = schedule_graph(ZeroBubble(2), 4)
+    estimate = lower._measured_estimate(graph, {"F0s0": 2.0, "F1s0": 4.0, "W0s1": 5.0})
+    assert estimate["F0s0"] == 2.0
+    assert estimate["F3s1"] == 3.0  # the mean of the given F tasks
+    assert estimate["W2s0"] == 5.0
+    assert estimate["I1s1"] == pytest.approx(11.0 / 3)  # no I given: the mean of all
