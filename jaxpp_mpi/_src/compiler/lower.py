@@ -287,7 +287,9 @@ class _TimedLowering(_Lowering):
       from the lazy walk on the defaults) and simulates each under every model; a
       timed order replaces the round order only if it is no slower under any model,
       and the one with the best mean wins. bench/lowering.py measures the result
-      against each schedule's own dataflow timeline.
+      against each schedule's own dataflow timeline. When the user gives measured task
+      times (`task_times_ms`), there is nothing to hedge: the walks also run on those
+      times and the program fastest under them wins (`_lower_measured`).
 
       With `eager`, two idle groups exchange every value one owes the other; without,
       only what the receiver's next task needs or what a receiver with nothing ready
