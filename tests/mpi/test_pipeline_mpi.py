@@ -108,6 +108,29 @@ def test_mismatched_programs_raise_on_every_rank(mesh):
     _everywhere(ok, msg)
 
 
+@pytest.mark.mpi(min_size=2)
+def test_mismatched_programs_from_task_times_raise_on_every_rank(mesh):
+    """Only rank 1 passes task times that reorder DualPipeV's messages: its program
+    differs, and every rank raises the same error before any message is sent."""
+    sched = schedule("dualpipev", SIZE)
+    params, batch, loss_fn = mlp(sched.num_stages, 8)
+    step, opt = make_step(loss_fn, sched)
+    # forwards 1, input gradients 2, weight gradients 3 (5 on the first stage, which
+    # does its input gradient's work too): not the task-time models the default hedges.
+    times = {f"{kind}{m}s{s}": {"F": 1.0, "I": 2.0}.get(kind, 5.0 if s == 0 else 3.0)
+             for kind in "FIW" for m in range(8) for s in range(sched.num_stages)}
+    pipelined = jaxpp_mpi.mpmd_jit_with_loop(step, mpmd_mesh=mesh,
+                                             task_times_ms=times if RANK == 1 else None)
+    try:
+        pipelined.compile(opt.init(params), params, batch)
+    except ValueError as e:
+        msg = str(e)
+        ok = "ranks compiled different programs" in msg and "rank 1" in msg
+    else:
+        ok, msg = False, "no error"
+    _everywhere(ok, msg)
+
+
 def _sharded_exchange_program(shape, spec) -> Program:
     """Group 0 sends its input to group 1, which returns it: one value, one message."""
     aval = Aval(shape, "float32", spec)
