@@ -49,7 +49,7 @@ def bench_size(comm, nbytes: int, reps: int, paths: tuple[str, ...] | None = Non
 
     mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
     plan = ShardPlan(Aval((n,), "float32"), NamedSharding(mesh, PartitionSpec()))
-    messenger = _Messenger(comm, 1)
+    messenger = _Messenger(comm)
     chain = chains.Chain(jax.devices()[0])
     (_, send), (_, recv) = messenger.send(plan, 0, peer), messenger.recv(plan, 0, peer)
 

@@ -143,9 +143,8 @@ class _Messenger:
     distinct (kind, shapes, dtypes, device, peer, shard), each `fn(order, *x) -> (order,
     *received)` on one device."""
 
-    def __init__(self, comm: Any, group_size: int, replica_comm: Any = None):
+    def __init__(self, comm: Any, replica_comm: Any = None):
         self.comm = comm
-        self.n = group_size
         self.replica_comm = replica_comm
 
     def _in_sharding(self, plan: ShardPlan, device):
@@ -233,8 +232,7 @@ class MpiExecutor:
         gp: GroupProgram = program.group(mpmd_idx)
         self.group_program = gp
         self.layout = layout = BufferLayout([gp])
-        group_size = sharding(Aval((), "int32")).mesh.devices.size
-        self._messenger = _Messenger(comm, group_size, replica_comm)
+        self._messenger = _Messenger(comm, replica_comm)
         self._chain = chains.Chain(sharding(Aval((), "int32")).mesh.devices.flat[0])
         self._plans: dict[Aval, ShardPlan] = {}
         self._sharding = sharding
