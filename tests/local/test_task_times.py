@@ -74,3 +74,10 @@ def test_numpy_times_from_collected_medians_are_accepted(mesh):
     reference = run_steps(jax.jit(step), opt_state, params, batch, steps=1)
     pipelined = run_steps(tuned, opt_state, params, batch, steps=1)
     assert assert_close_to_reference(reference, pipelined) > 0
+
+
+def test_task_times_naming_none_of_the_steps_tasks_are_refused(mesh):
+    step, opt_state, params, batch = _problem("1f1b")
+    f = jaxpp_mpi.mpmd_jit_with_loop(step, mpmd_mesh=mesh, task_times_ms={"F0s7": 1.0})
+    with pytest.raises(jaxpp_mpi.CompileError, match="task_times_ms names none of its tasks"):
+        f.compile(opt_state, params, batch)

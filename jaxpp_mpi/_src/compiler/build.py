@@ -379,6 +379,18 @@ def _exe_avals(tasks: Sequence[Sequence[TaskNode]], avals: dict[Value, Aval]
     return tuple(out)
 
 
+def _check_task_times(graph: TaskGraph, task_times_ms: Mapping[str, float], what: str) -> None:
+    """Refuses measured task times that name none of the step's tasks (times of another
+    step or schedule would otherwise silently order this one by their kind means)."""
+    labels = {part for ts in graph.tasks for t in ts for part in (t.name, *t.name.split("+"))}
+    if not labels & set(task_times_ms):
+        mine = sorted(label for label in labels if label[:1] in "FBIW")[:4]
+        raise CompileError(
+            f"{what}: task_times_ms names none of its tasks (it has {', '.join(mine)}, ...; "
+            f"got {', '.join(sorted(task_times_ms)[:4])}, ...): pass times collected from "
+            "this step with collect_task_times_ms")
+
+
 def build_step(
     fun: Callable,
     args: Sequence[Any],
@@ -482,6 +494,8 @@ def build_step(
 
     inputs = _step_inputs(homes.input_owner, input_avals, lt.mb_values, avals)
     graph = TaskGraph(num_groups, tasks, inputs.bindings, outputs.values, avals)
+    if task_times_ms:
+        _check_task_times(graph, task_times_ms, what)
     try:
         program, buffer_names = build_program_with_names(graph, task_times_ms)
     except ValueError as e:
