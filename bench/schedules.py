@@ -393,9 +393,8 @@ def main() -> None:
         if rank == 0:
             jax.block_until_ready(ref(params, batch))
 
-    # Warm-up, and a check that every schedule computes the reference's loss.
-    losses = {}
-    for name in args.schedules:
+    def warm_loss(name) -> float:
+        """Two warm-up steps of `name`; the second's loss, the same on every rank."""
         run_pipelined(name)
         out = run_pipelined(name)
         value = (
@@ -403,7 +402,17 @@ def main() -> None:
             if out.is_partially_addressable
             else None
         )
-        losses[name] = comm.bcast(value, root=min(out.mpmd_idxs))
+        return comm.bcast(value, root=min(out.mpmd_idxs))
+
+    def gathered_medians(times: dict[str, list[float]]) -> dict[str, float]:
+        """Per task label, its median time; every rank's labels (each times its own)."""
+        out: dict[str, float] = {}
+        for part in comm.allgather({k: float(np.median(v)) for k, v in times.items()}):
+            out.update(part)
+        return out
+
+    # Warm-up, and a check that every schedule computes the reference's loss.
+    losses = {name: warm_loss(name) for name in args.schedules}
     ref_value = comm.bcast(float(ref_loss) if rank == 0 else None, root=0)
     for name, value in losses.items():
         if not np.isclose(value, ref_value, rtol=1e-4):
@@ -415,11 +424,10 @@ def main() -> None:
             with jaxpp_mpi.collect_task_times_ms() as stats:
                 for _ in range(3):
                     run_pipelined(name)
-            medians: dict[str, float] = {}
-            for part in comm.allgather({k: float(np.median(v)) for k, v in stats.items()}):
-                medians.update(part)
             tuned = jaxpp_mpi.mpmd_jit_with_loop(
-                pipelined_step(scheds[name], n), mpmd_mesh=mesh, task_times_ms=medians
+                pipelined_step(scheds[name], n),
+                mpmd_mesh=mesh,
+                task_times_ms=gathered_medians(stats),
             ).compile(params, batch)
             if tuned.program() == compiled[name].program():
                 if rank == 0:
@@ -428,15 +436,8 @@ def main() -> None:
             tname = f"{name}+tuned"
             scheds[tname], compiled[tname] = scheds[name], tuned
             args.schedules.append(tname)
-            run_pipelined(tname)
-            out = run_pipelined(tname)
-            value = (
-                float(np.asarray(out.first_mpmd_replica).sum())
-                if out.is_partially_addressable
-                else None
-            )
-            if not np.isclose(comm.bcast(value, root=min(out.mpmd_idxs)), ref_value, rtol=1e-4):
-                raise SystemExit(f"{tname}: loss differs from jax.jit's {ref_value}")
+            if not np.isclose(value := warm_loss(tname), ref_value, rtol=1e-4):
+                raise SystemExit(f"{tname}: loss {value} differs from jax.jit's {ref_value}")
 
     # Rounds: per schedule (rotated order) one plain step and one traced step (task by
     # task: its task times feed the prediction, its events the breakdown), then the
@@ -477,10 +478,7 @@ def main() -> None:
     results = {}
     for name in args.schedules:
         sched, exe = scheds[name], compiled[name]
-        medians = {label: float(np.median(t)) for label, t in task_times[name].items()}
-        all_medians: dict[str, float] = {}
-        for part in comm.allgather(medians):
-            all_medians.update(part)
+        all_medians = gathered_medians(task_times[name])
         program = exe.program()
         per_exe = {}
         for g, entry in enumerate(comm.allgather(exe.cost_analysis()[rank])):

@@ -29,12 +29,12 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import numbers
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
-import numpy as np
 from jax.extend import core as jex_core
 from jax.sharding import PartitionSpec
 
@@ -435,8 +435,8 @@ def _task_times(task_times_ms: Any) -> dict[str, float] | None:
         raise bad
     out = {}
     for label, t in task_times_ms.items():
-        if not isinstance(label, str) or isinstance(t, bool) or not isinstance(
-                t, (int, float, np.floating, np.integer)) or not 0 <= float(t) < float("inf"):
+        if (not isinstance(label, str) or isinstance(t, bool)
+                or not isinstance(t, numbers.Real) or not 0 <= float(t) < float("inf")):
             raise bad
         out[label] = float(t)
     return out

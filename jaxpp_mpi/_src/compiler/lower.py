@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 from jaxpp_mpi._src.compiler.task_graph import TaskGraph, TaskNode, Value
 from jaxpp_mpi._src.ir import passes as program_passes
@@ -443,37 +443,44 @@ def _passes(lowering: _Lowering) -> tuple[Program, BufferNames]:
     return program_passes.assign_tags(program_passes.pair_exchanges(program)), names
 
 
-def _scores(program: Program) -> tuple[float, ...]:
-    """Per model of `_MODELS`: the makespan over the busiest group's work.
+def _play(program: Program, times: Callable[[str], tuple[float, ...]],
+          k: int) -> list[tuple[float, float]]:
+    """Per set of task times, (makespan, busiest group's work) of `program`.
 
-    The makespan is `simulate.simulate`'s with free messages, computed for all models
+    The makespan is `simulate.simulate`'s with free messages, for every set of times
     from one `rendezvous.play` (the candidates are checked once, the winner by
-    `simulate.verify`): a Run ends its latency after it starts, a message when both
-    sides have reached it.
+    `simulate.verify`): a Run ends its task's time after it starts, a message when both
+    sides have reached it. `times(label)` gives a task's time in each of the `k` sets.
     """
-    events = list(rendezvous.play(program))
     instrs = [g.instrs for g in program.groups]
-    n, k = len(instrs), len(_MODELS)
-    now = [[0.0] * n for _ in range(k)]
-    busy = [[0.0] * n for _ in range(k)]
-    times: dict[str, tuple[float, ...]] = {}  # task label -> its time under each model
-    for e in events:
+    now = [[0.0] * len(instrs) for _ in range(k)]
+    busy = [[0.0] * len(instrs) for _ in range(k)]
+    cache: dict[str, tuple[float, ...]] = {}
+    for e in rendezvous.play(program):
         if isinstance(e, rendezvous.Matched):
             (s, _), (d, _) = e.send, e.recv
             for clock in now:
                 clock[s] = clock[d] = max(clock[s], clock[d])
         elif isinstance(run := instrs[e.group][e.index], Run):
-            ts = times.get(run.task)
+            ts = cache.get(run.task)
             if ts is None:
-                ts = times[run.task] = tuple(_kind_latency(m, run.task) for m in _MODELS)
+                ts = cache[run.task] = times(run.task)
             for clock, work, t in zip(now, busy, ts):
                 clock[e.group] += t
                 work[e.group] += t
-    out = []
-    for clock, work in zip(now, busy):
-        makespan, busiest = max(clock, default=0.0), max(work, default=0.0)
-        out.append(makespan / busiest if busiest > 0 else makespan)
-    return tuple(out)
+    return [(max(clock, default=0.0), max(work, default=0.0)) for clock, work in zip(now, busy)]
+
+
+def _ratio(makespan: float, busiest: float) -> float:
+    """A score: the makespan over the busiest group's work (the makespan if no work)."""
+    return makespan / busiest if busiest > 0 else makespan
+
+
+def _scores(program: Program) -> tuple[float, ...]:
+    """Per model of `_MODELS`: the makespan over the busiest group's work (`_play`)."""
+    played = _play(program, lambda label: tuple(_kind_latency(m, label) for m in _MODELS),
+                   len(_MODELS))
+    return tuple(_ratio(*x) for x in played)
 
 
 def _dataflow_scores(graph: TaskGraph) -> tuple[float, ...]:
@@ -507,11 +514,8 @@ def _dataflow_scores(graph: TaskGraph) -> tuple[float, ...]:
                 progressed = True
         if not progressed:  # cannot happen for a graph the lowering walked
             return tuple(0.0 for _ in _MODELS)
-    out = []
-    for clock, work in zip(free, busy):
-        makespan, busiest = max(clock, default=0.0), max(work, default=0.0)
-        out.append(makespan / busiest if busiest > 0 else makespan)
-    return tuple(out)
+    return tuple(_ratio(max(clock, default=0.0), max(work, default=0.0))
+                 for clock, work in zip(free, busy))
 
 
 def _measured_estimate(graph: TaskGraph, task_ms: Mapping[str, float]) -> dict[str, float]:
@@ -545,17 +549,23 @@ def _measured_estimate(graph: TaskGraph, task_ms: Mapping[str, float]) -> dict[s
 
 
 def _makespan(program: Program, latency: Mapping[str, float]) -> float:
-    """`simulate.simulate`'s makespan with free messages, each Run taking its task's time
-    in `latency` (as `_scores`, for one set of times)."""
-    instrs = [g.instrs for g in program.groups]
-    now = [0.0] * len(instrs)
-    for e in rendezvous.play(program):
-        if isinstance(e, rendezvous.Matched):
-            (s, _), (d, _) = e.send, e.recv
-            now[s] = now[d] = max(now[s], now[d])
-        elif isinstance(run := instrs[e.group][e.index], Run):
-            now[e.group] += latency.get(run.task, 0.0)
-    return max(now, default=0.0)
+    """The makespan of `program` (`_play`), each Run taking its task's time in `latency`."""
+    return _play(program, lambda label: (latency.get(label, 0.0),), 1)[0][0]
+
+
+def _timed_candidates(graph: TaskGraph, estimates: Iterable[Mapping[str, float]]
+                      ) -> Iterator[tuple[Program, BufferNames]]:
+    """The eager and the lazy timed walk's program under each estimate (per task name,
+    its time), each distinct order once (`Note: timed order`)."""
+    seen: set[tuple[tuple[Instr, ...], ...]] = set()
+    for estimate in estimates:
+        for eager in (True, False):
+            walk = _TimedLowering(graph, estimate, eager)
+            walk.run()
+            key = tuple(tuple(gs.instrs) for gs in walk.groups)
+            if key not in seen:
+                seen.add(key)
+                yield _passes(walk)
 
 
 def _lower_measured(graph: TaskGraph, task_ms: Mapping[str, float]) -> tuple[Program, BufferNames]:
@@ -569,19 +579,11 @@ def _lower_measured(graph: TaskGraph, task_ms: Mapping[str, float]) -> tuple[Pro
     measured = _measured_estimate(graph, task_ms)
     rounds = _finish(_Lowering(graph))
     best, best_time = rounds, _makespan(rounds[0], measured)
-    seen: set[tuple[tuple[Instr, ...], ...]] = set()
-    for estimate in (measured, *(_estimate(graph, m) for m in _ESTIMATES)):
-        for eager in (True, False):
-            walk = _TimedLowering(graph, estimate, eager)
-            walk.run()
-            key = tuple(tuple(gs.instrs) for gs in walk.groups)
-            if key in seen:
-                continue
-            seen.add(key)
-            candidate = _passes(walk)
-            t = _makespan(candidate[0], measured)
-            if t < best_time - 1e-9:
-                best, best_time = candidate, t
+    estimates = (measured, *(_estimate(graph, m) for m in _ESTIMATES))
+    for candidate in _timed_candidates(graph, estimates):
+        t = _makespan(candidate[0], measured)
+        if t < best_time - 1e-9:
+            best, best_time = candidate, t
     return best
 
 
@@ -601,21 +603,11 @@ def _lower_best(graph: TaskGraph) -> tuple[Program, BufferNames]:
     if all(x <= y + 1e-9 for x, y in zip(base, _dataflow_scores(graph))):
         return rounds  # already the graph's own timeline under every model
     best, best_mean = rounds, sum(base) / len(base)
-    seen: set[tuple[tuple[Instr, ...], ...]] = set()
-    for model in _ESTIMATES:
-        estimate = _estimate(graph, model)
-        for eager in (True, False):
-            walk = _TimedLowering(graph, estimate, eager)
-            walk.run()
-            key = tuple(tuple(gs.instrs) for gs in walk.groups)
-            if key in seen:
-                continue
-            seen.add(key)
-            candidate = _passes(walk)
-            scores = _scores(candidate[0])
-            mean = sum(scores) / len(scores)
-            if all(x <= y + 1e-9 for x, y in zip(scores, base)) and mean < best_mean - 1e-9:
-                best, best_mean = candidate, mean
+    for candidate in _timed_candidates(graph, (_estimate(graph, m) for m in _ESTIMATES)):
+        scores = _scores(candidate[0])
+        mean = sum(scores) / len(scores)
+        if all(x <= y + 1e-9 for x, y in zip(scores, base)) and mean < best_mean - 1e-9:
+            best, best_mean = candidate, mean
     return best
 
 
