@@ -7,6 +7,8 @@ K devices on a 'data' axis.
 
 from __future__ import annotations
 
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,7 +19,7 @@ from models import transformer as transformer_model
 from mpi4py import MPI
 
 import jaxpp_mpi
-from jaxpp_mpi._src.ir.program import Aval, GroupProgram, Program, Recv, Send
+from jaxpp_mpi._src.ir.program import Aval, GroupProgram, Program, Recv, Run, Send
 from jaxpp_mpi._src.runtime.mpi import MpiExecutor
 
 WORLD = MPI.COMM_WORLD
@@ -158,6 +160,32 @@ def test_values_move_shard_by_shard(mesh, spec):
         np.testing.assert_array_equal(np.asarray(got), value)
         assert got.sharding.is_equivalent_to(sharding(Aval(shape, "float32", spec)), 2)
     _everywhere(True)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_sent_buffer_donated_later_arrives_intact(mesh, dtype):
+    """Group 0 sends its input, then a task that may overwrite that buffer (donated)
+    runs while the receiver is still busy: the message carries the value as it was
+    sent (`Note: posted sends`: JAX does not donate a buffer a message is read from)."""
+    comm = WORLD.Split(0 if RANK < 2 else 1, RANK)
+    if RANK > 1:
+        _everywhere(True)
+        return
+    aval = Aval((256, 64), dtype)
+    g0 = GroupProgram(0, [(0, 0)], [Send(0, 1, 0), Run("negate", (0,), (1,), donate=(0,))],
+                      [(1, 0)], {0: aval, 1: aval})
+    g1 = GroupProgram(1, [], [Recv(0, 0, 0, aval)], [(0, 1)], {0: aval})
+    gm = mesh.group_mesh(RANK)
+    sharding = lambda a: jax.sharding.NamedSharding(gm, P(*a.spec))  # noqa: E731
+    negate = jax.jit(lambda x: (-x,), donate_argnums=0)
+    executor = MpiExecutor(Program((g0, g1)), RANK, {"negate": negate}, sharding, comm)
+    value = (np.arange(256 * 64).reshape(256, 64) % 251 + 1).astype(jnp.dtype(dtype))
+    if RANK == 1:
+        time.sleep(0.3)  # the sender's task runs before this receive is posted
+    out = executor.run_replicas([jax.device_put(value, sharding(aval))])
+    got = np.asarray(out[RANK][RANK])
+    _everywhere(np.array_equal(got, -value if RANK == 0 else value), f"rank {RANK}: {got[0, :4]}")
 
 
 @pytest.mark.mpi(min_size=2)

@@ -98,6 +98,12 @@ class MessageCost:
       transfer, messages are free, which isolates the schedule's own bubbles;
       with a measured one, measured / predicted isolates the runtime's overhead.
 
+      With `sends="posted"` (what the MPI executor does on CPU, `Note: posted sends` in
+      mpi/posted.py) a send half completes when its group reaches it, and its message
+      arrives `transfer(aval)` later; a receive half completes at the later of the
+      time its group reached it and that arrival. The program must still be
+      deadlock-free with blocking sends (other platforms block), which is checked first.
+
     Attributes:
       latency: time of an empty message.
       bandwidth: bytes per time unit; `inf` for latency only.
@@ -372,6 +378,54 @@ def _play(
     )
 
 
+def _play_posted(
+    program: Program,
+    latency: Latency,
+    transfer: Transfer,
+    reduce_time: Callable[[AllReduce, GroupProgram], float],
+    check_leaks: bool,
+) -> SimResult:
+    """Times a program whose sends are posted (`Note: message model`): each group
+    advances until a receive whose send its peer has not reached yet."""
+    verify(program, check_leaks=check_leaks)  # every platform's runtime can run it
+    matching = match_messages(program)
+    n = program.num_groups
+    instrs = [g.instrs for g in program.groups]
+    pc, now, busy = [0] * n, [0.0] * n, [0.0] * n
+    posted: dict[tuple[int, int], float] = {}  # send half -> when it was posted
+    events: list[list[Event]] = [[] for _ in range(n)]
+    moved = True
+    while moved:
+        moved = False
+        for a in range(n):
+            while pc[a] < len(instrs[a]):
+                k = pc[a]
+                instr, start = instrs[a][k], now[a]
+                if send_half(instr) is not None:  # posted before its own receive waits
+                    posted[(a, k)] = start
+                half = recv_half(instr)
+                sender = matching.send_of[a].get(k) if half is not None else None
+                if sender is not None and sender not in posted:
+                    break
+                if isinstance(instr, Run):
+                    end = start + latency(instr)
+                    busy[a] += end - start
+                elif isinstance(instr, AllReduce):
+                    end = start + reduce_time(instr, program.groups[a])
+                elif half is not None and sender is not None:
+                    end = max(start, posted[sender] + transfer(half[3]))
+                else:
+                    end = start
+                events[a].append(Event(k, instr, start, end))
+                now[a], pc[a], moved = end, k + 1, True
+    return SimResult(
+        finish=tuple(now),
+        makespan=max(now, default=0.0),
+        events=tuple(tuple(e) for e in events),
+        busy=tuple(busy),
+    )
+
+
 def verify(program: Program, *, check_leaks: bool = True) -> None:
     """Proves that `program` runs to completion under rendezvous send/recv.
 
@@ -403,11 +457,13 @@ def simulate(
     check_leaks: bool = True,
     replicas: int = 1,
     allreduce_cost: AllReduceCost | None = None,
+    sends: str = "blocking",
 ) -> SimResult:
     """Plays `program` as `verify` does, with time.
 
     A Run takes `latency(instr)`; a message completes at the later of the times its
-    sender and its receiver reached it, plus `transfer(aval)`; Free takes no time; an
+    sender and its receiver reached it, plus `transfer(aval)` (blocking sends; posted
+    ones: `Note: message model`); Free takes no time; an
     AllReduce occupies its group for `allreduce_cost(nbytes, replicas)`, nbytes being
     the total `aval_nbytes` of its buffers. The `replicas` pipeline replicas are taken
     to run in lockstep (each plays the same program with the same latencies), so one
@@ -424,6 +480,8 @@ def simulate(
       replicas: the number of pipeline replicas R, each running this program.
       allreduce_cost: time of an AllReduce from its bytes and R;
         `ring_allreduce(transfer)` if None (0 when R == 1 or messages are free).
+      sends: "blocking" (rendezvous) or "posted" (a send completes at once; `Note:
+        message model`).
 
     Returns:
       Finish times, makespan, per-instruction events and busy time (Runs only) per
@@ -431,15 +489,20 @@ def simulate(
 
     Raises:
       ProgramError: as `verify`.
-      ValueError: if `replicas < 1`.
+      ValueError: if `replicas < 1`, or `sends` is neither "blocking" nor "posted".
     """
     if replicas < 1:
         raise ValueError(f"replicas must be >= 1, got {replicas}")
+    if sends not in ("blocking", "posted"):
+        raise ValueError(f"sends must be 'blocking' or 'posted', got {sends!r}")
     cost = allreduce_cost or ring_allreduce(transfer)
 
     def reduce_time(instr: AllReduce, g: GroupProgram) -> float:
         return cost(sum(aval_nbytes(g.aval(b)) for b in instr.bufs), replicas)
 
+    if sends == "posted":
+        return _play_posted(program, latency or default_latency, transfer or _no_transfer,
+                            reduce_time, check_leaks)
     return _play(
         program,
         latency or default_latency,

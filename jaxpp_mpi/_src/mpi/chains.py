@@ -52,6 +52,7 @@ from mpi4jax._src.utils import to_dtype_handle, to_mpi_handle
 from mpi4jax._src.xla_bridge import MPI_STATUS_IGNORE_ADDR
 from mpi4py import MPI
 
+from jaxpp_mpi._src.mpi import posted
 from jaxpp_mpi._src.mpi.wire import from_wire, to_wire, wire_dtype
 
 __all__ = ["Chain", "Op", "allreduce_fn", "chain", "chain_fn", "mpi_chain_p", "quiesce",
@@ -273,11 +274,13 @@ def allreduce_fn(op: str, avals: tuple[tuple[tuple[int, ...], str], ...], comm: 
 def quiesce() -> None:
     """Waits until this process's dispatched MPI work is done.
 
-    That is effectful computations (`jax.effects_barrier`) and every live message `Chain`.
+    That is effectful computations (`jax.effects_barrier`), every live message `Chain`
+    and every posted send (`Note: posted sends` in mpi/posted.py).
     """
     jax.effects_barrier()
     for c in list(_chains):
         c.wait()
+    posted.wait_for_posted()
 
 
 @atexit.register

@@ -28,8 +28,15 @@ Note: messages.
   shards that device holds first of the bucket's buffers travel as one flat buffer
   per combined dtype (every replica has the same layouts, so shard j meets shard j).
 
-  Nothing blocks Python: each step dispatches executables and chains asynchronously;
-  the order chain keeps this rank's MPI calls in program order, which the verifier
+  On a CPU group, sends (and the send halves of SendRecvs) are *posted* instead
+  (`Note: posted sends` in mpi/posted.py): non-blocking MPI sends from the array's host
+  buffer, in program order, so this rank goes on computing while its message waits for
+  the receiver. A SendRecv then posts its send shards and receives its receive shards
+  through the chain; a posted send cannot block, so no pairing is needed there.
+
+  Otherwise nothing blocks Python: each step dispatches executables and chains
+  asynchronously (a posted send waits for the value it sends); the order chain keeps
+  this rank's receives (and, off CPU, its sends) in program order, which the verifier
   proved deadlock-free under rendezvous semantics.
 """
 
@@ -58,6 +65,7 @@ from jaxpp_mpi._src.ir.program import (
 )
 from jaxpp_mpi._src.mpi import chains
 from jaxpp_mpi._src.mpi.heap import tune_heap
+from jaxpp_mpi._src.mpi.posted import PostedSends, posts_sends
 from jaxpp_mpi._src.runtime.executor import (
     BufferLayout,
     Executable,
@@ -233,7 +241,9 @@ class MpiExecutor:
         self.group_program = gp
         self.layout = layout = BufferLayout([gp])
         self._messenger = _Messenger(comm, replica_comm)
-        self._chain = chains.Chain(sharding(Aval((), "int32")).mesh.devices.flat[0])
+        first_device = sharding(Aval((), "int32")).mesh.devices.flat[0]
+        self._chain = chains.Chain(first_device)
+        self._posted = PostedSends(comm) if posts_sends(first_device) else None
         self._plans: dict[Aval, ShardPlan] = {}
         self._sharding = sharding
         self._replica_comm = replica_comm
@@ -270,14 +280,20 @@ class MpiExecutor:
     def _bind_send(self, group: int, instr: Send) -> tuple[Step, Step]:
         slot = self.layout.slot(group, instr.buf)
         plan = self._plan(self.group_program.aval(instr.buf))
-        m, chain = self._messenger, self._chain
-        sends = [m.send(plan, j, instr.dst) for j in range(len(plan.pieces))]
+        m, chain, posted, dst = self._messenger, self._chain, self._posted, instr.dst
+        args = {"dst": dst, "tag": instr.tag, "buf": instr.buf, "bytes": plan.nbytes}
+        if posted is not None:
+            def post(table: Table, times: Any) -> None:
+                for j, shard in enumerate(plan.shards_of(table[slot])):
+                    posted.post(shard, dst, j)
+
+            return post, timed_message(post, group, "send", args, _nothing)
+        sends = [m.send(plan, j, dst) for j in range(len(plan.pieces))]
 
         def step(table: Table, times: Any) -> None:
             for (device, fn), shard in zip(sends, plan.shards_of(table[slot])):
                 (chain.order,) = fn(chain.on(device), shard)
 
-        args = {"dst": instr.dst, "tag": instr.tag, "buf": instr.buf, "bytes": plan.nbytes}
         return step, timed_message(step, group, "send", args, chain.wait)
 
     def _bind_recv(self, group: int, instr: Recv) -> tuple[Step, Step]:
@@ -304,6 +320,22 @@ class MpiExecutor:
         s_plan = self._plan(self.group_program.aval(instr.send_buf))
         r_plan = self._plan(instr.aval)
         m, chain, peer = self._messenger, self._chain, instr.dst
+        args = {"peer": peer, "send_tag": instr.send_tag, "recv_tag": instr.recv_tag,
+                "send_buf": instr.send_buf, "recv_buf": instr.recv_buf,
+                "send_bytes": s_plan.nbytes, "recv_bytes": r_plan.nbytes}
+        if (posted := self._posted) is not None:  # posted first, so no order can block
+            recvs = [m.recv(r_plan, j, peer) for j in range(len(r_plan.pieces))]
+
+            def exchange(table: Table, times: Any) -> None:
+                for j, shard in enumerate(s_plan.shards_of(table[s_slot])):
+                    posted.post(shard, peer, j)
+                got = []
+                for device, fn in recvs:
+                    chain.order, y = fn(chain.on(device))
+                    got.append(y)
+                table[r_slot] = r_plan.assemble(got)
+
+            return exchange, timed_message(exchange, group, "sendrecv", args, chain.wait)
         # Shard j of each direction pairs into one sendrecv while both sit on one device.
         paired = 0
         for (s_dev, _, _), (r_dev, _, _) in zip(s_plan.pieces, r_plan.pieces):
@@ -336,9 +368,6 @@ class MpiExecutor:
                     got.append(y)
             table[r_slot] = r_plan.assemble(got)
 
-        args = {"peer": peer, "send_tag": instr.send_tag, "recv_tag": instr.recv_tag,
-                "send_buf": instr.send_buf, "recv_buf": instr.recv_buf,
-                "send_bytes": s_plan.nbytes, "recv_bytes": r_plan.nbytes}
         return step, timed_message(step, group, "sendrecv", args, chain.wait)
 
     def _bind_allreduce(self, group: int, instr: AllReduce) -> tuple[Step, Step]:
@@ -412,6 +441,10 @@ class MpiExecutor:
                 untimed, timed = mark(k, untimed), mark(k, timed)
             pairs.append((untimed, timed))
         return StepLists(pairs)
+
+
+def _nothing() -> None:
+    """A posted send's wait in a trace: posting returns once MPI has the message."""
 
 
 def describe_instr(gp: GroupProgram, k: int) -> str:

@@ -1,11 +1,24 @@
 """Tests for the simulator's message model (`MessageCost`, `Note: message model`)."""
 
 import math
+from pathlib import Path
 
 import pytest
 
-from jaxpp_mpi._src.ir.program import Aval, Free, GroupProgram, Program, Recv, Run, Send, SendRecv
-from jaxpp_mpi._src.ir.simulate import MessageCost, aval_nbytes, simulate
+from jaxpp_mpi._src.ir.program import (
+    Aval,
+    Free,
+    GroupProgram,
+    Program,
+    ProgramError,
+    Recv,
+    Run,
+    Send,
+    SendRecv,
+)
+from jaxpp_mpi._src.ir.simulate import MessageCost, aval_nbytes, default_latency, simulate
+
+GOLDEN = Path(__file__).resolve().parents[2] / "golden"
 
 ACT = Aval((16, 1024), "float32")  # 64 KiB
 SMALL = Aval((4,), "bfloat16")  # 8 bytes
@@ -100,3 +113,77 @@ def test_sendrecv_halves_each_pay_their_own_size():
 def test_bad_message_cost(latency, bandwidth):
     with pytest.raises(ValueError, match="MessageCost"):
         MessageCost(latency, bandwidth)
+
+
+# ----------------------------------------------------------------------------- posted sends
+
+
+def test_posted_send_lets_the_sender_go_on():
+    """Group 0 sends, then works; group 1 works longer before it receives. Blocking, the
+    sender waits for the receiver; posted, it does not, and the message waits."""
+    g0 = GroupProgram(0, (), (Run("f", (), (0,), task="F0s0"), Send(0, 1, 0), Free((0,)),
+                              Run("x", (), (1,), task="F1s0")), {1: 0}, {0: ACT, 1: ACT})
+    g1 = GroupProgram(1, (), (Run("y", (), (1,), task="B0s1+B1s1"), Recv(0, 0, 0, ACT),
+                              Run("z", (0,), (2,), task="F0s1", donate=(0,)), Free((1,))),
+                      {2: 1}, {0: ACT, 1: ACT, 2: ACT})
+    program, cost = Program((g0, g1)), MessageCost(0.5, math.inf)
+    blocking = simulate(program, transfer=cost)
+    # group 1's y (2 + 2 = 4) ends at 4; blocking: the message ends at 4.5 on both sides.
+    assert blocking.finish == (pytest.approx(4.5 + 1), pytest.approx(4.5 + 1))
+    posted = simulate(program, transfer=cost, sends="posted")
+    # posted at 1, there at 1.5: group 0 goes on at once, group 1 receives when it gets there.
+    assert posted.finish == (pytest.approx(2.0), pytest.approx(4 + 1))
+    send = posted.events[0][1]
+    assert isinstance(send.instr, Send) and (send.start, send.end) == (1.0, 1.0)
+    assert posted.busy == blocking.busy
+
+
+def test_posted_receive_waits_for_the_message():
+    program = forward_backward(ACT)
+    cost = MessageCost(latency=0.04, bandwidth=65536 / 0.01)
+    # Every message here is on the critical path: posting changes nothing.
+    posted = simulate(program, transfer=cost, sends="posted")
+    assert posted.makespan == pytest.approx(simulate(program, transfer=cost).makespan)
+    recv = posted.events[1][0]
+    assert isinstance(recv.instr, Recv) and (recv.start, recv.end) == (0.0, pytest.approx(1.05))
+
+
+def test_posted_sendrecv_halves_arrive_on_their_own():
+    big, small = ACT, SMALL
+    g0 = GroupProgram(0, (), (Run("f", (), (0,), task="F0s0"), SendRecv(0, 1, 0, 1, 1, 1, small),
+                              Free((0,))), {1: 0}, {0: big, 1: small})
+    g1 = GroupProgram(1, (), (Run("g", (), (0,), task="F0s1"), SendRecv(0, 0, 1, 1, 0, 0, big),
+                              Free((0,))), {1: 1}, {0: small, 1: big})
+    cost = MessageCost(latency=0.0, bandwidth=8.0)  # SMALL: 1 unit, ACT: 8192 units
+    result = simulate(Program((g0, g1)), transfer=cost, sends="posted")
+    assert result.finish == (pytest.approx(2.0), pytest.approx(1 + 8192.0))
+
+
+def test_posted_play_still_refuses_what_blocks_elsewhere():
+    """Head-to-head blocking sends deadlock; posted they would pass, but other platforms
+    block, so the program is refused either way."""
+    groups = tuple(
+        GroupProgram(g, (), (Run("f", (), (0,), task=f"F0s{g}"), Send(0, 1 - g, 0), Free((0,)),
+                             Recv(1, 1 - g, 0, ACT), Free((1,))), {}, {0: ACT, 1: ACT})
+        for g in range(2))
+    for sends in ("blocking", "posted"):
+        with pytest.raises(ProgramError, match="deadlock"):
+            simulate(Program(groups), sends=sends)
+    with pytest.raises(ValueError, match="sends must be"):
+        simulate(forward_backward(ACT), sends="eager")
+
+
+@pytest.mark.parametrize("name", ["gpipe_s2_m4", "std1f1b_s2_m4", "zerobubble_s2_m4",
+                                  "interleaved1f1b_s4_g2_m4", "dualpipev_s4_g2_m4"])
+def test_posting_never_makes_a_golden_program_slower(name):
+    program = Program.parse((GOLDEN / f"{name}.txt").read_text())
+    cost = MessageCost(latency=0.1, bandwidth=65536.0)
+
+    def latency(run: Run) -> float:  # pipeline tasks at their defaults, the rest free
+        return default_latency(run) if run.task and run.task[0] in "FBIW" else 0.0
+
+    blocking = simulate(program, latency, transfer=cost)
+    posted = simulate(program, latency, transfer=cost, sends="posted")
+    assert posted.makespan < blocking.makespan
+    assert posted.busy == blocking.busy
+    assert all(p <= b + 1e-9 for p, b in zip(posted.finish, blocking.finish))
