@@ -86,3 +86,12 @@ group 1
         "F0s0": pytest.approx(20.0),
         "F0s1": pytest.approx(30.0),
     }
+
+
+def test_round_times_merge_each_round_over_the_ranks():
+    rank0 = [{"F0s0": 1.0, "B0s0": 2.0}, {"F0s0": 1.5, "B0s0": 2.5}]
+    rank1 = [{"F0s1": 3.0}, {"F0s1": 3.5}]
+    assert bench.round_times([rank0, rank1]) == [
+        {"F0s0": 1.0, "B0s0": 2.0, "F0s1": 3.0},
+        {"F0s0": 1.5, "B0s0": 2.5, "F0s1": 3.5},
+    ]
