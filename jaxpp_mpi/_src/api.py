@@ -58,6 +58,7 @@ from jaxpp_mpi._src.compiler import replicas
 from jaxpp_mpi._src.compiler.build import StepPlan, build_step
 from jaxpp_mpi._src.compiler.fingerprint import executable_texts
 from jaxpp_mpi._src.errors import CompileError
+from jaxpp_mpi._src.ir.simulate import runtime_sends
 from jaxpp_mpi._src.mesh import MpmdMesh
 from jaxpp_mpi._src.retarget import trace_mesh
 from jaxpp_mpi._src.types import Comm, PyTree
@@ -279,7 +280,7 @@ class MpmdFunction:
                           num_replicas=mesh.num_replicas,
                           replica_bucket_bytes=config.options().replica_bucket_bytes,
                           replica_dims=replica_dims, arg_names=leaf_paths,
-                          task_times_ms=self._task_times_ms)
+                          task_times_ms=self._task_times_ms, sends=_runtime_sends(mesh))
         if out_specs is not None:
             out_paths = paths((jax.tree.unflatten(plan.out_tree, plan.output_avals),))
             for k, (spec, aval) in enumerate(zip(out_specs, plan.output_avals)):
@@ -422,6 +423,15 @@ def mpmd_jit_with_loop(
     if fun is None:
         return functools.partial(_wrap, mpmd_mesh=mpmd_mesh, **options)
     return _wrap(fun, mpmd_mesh, **options)
+
+
+def _runtime_sends(mesh: MpmdMesh) -> str:
+    """How this step's messages will be sent (`simulate.runtime_sends`): in MPI mode by
+    the platform of this rank's devices; in local mode messages are device copies made
+    in the rendezvous play's order (`Note: local order`), timed as blocking sends."""
+    if mesh.is_local:
+        return "blocking"
+    return runtime_sends(next(iter(mesh.jax_mesh.devices.flat)).platform)
 
 
 def _task_times(task_times_ms: Any) -> dict[str, float] | None:

@@ -406,6 +406,7 @@ def build_step(
     replica_dims: Sequence[int | None] | None = None,
     arg_names: Sequence[str] | None = None,
     task_times_ms: Mapping[str, float] | None = None,
+    sends: str = "blocking",
 ) -> StepPlan:
     """Compiles `fun(*args)` into a StepPlan for `num_groups` MPMD groups.
 
@@ -427,6 +428,8 @@ def build_step(
       arg_names: per flat argument, its path (for errors).
       task_times_ms: measured task times by task label, or None: the lowering orders
         messages for them (`build_program_with_names`).
+      sends: how the runtime sends ("blocking" or "posted", `simulate.runtime_sends`):
+        the lowering times its candidate orders that way.
 
     Returns:
       The StepPlan.
@@ -497,7 +500,7 @@ def build_step(
     if task_times_ms:
         _check_task_times(graph, task_times_ms, what)
     try:
-        program, buffer_names = build_program_with_names(graph, task_times_ms)
+        program, buffer_names = build_program_with_names(graph, task_times_ms, sends)
     except ValueError as e:
         raise CompileError(f"{what}: internal error while building the program: {e}") from e
     if num_replicas > 1:

@@ -242,21 +242,26 @@ def _kind_latency(model: TaskModel, label: str) -> float:
 
 
 def _estimate(graph: TaskGraph, model: TaskModel) -> dict[str, float]:
-    """Per task name, its time under `model`; a W part without its I task does both.
+    """Per task name, its time under `model` (`_label_times`)."""
+    return _label_times({t.name for ts in graph.tasks for t in ts}, model)
+
+
+def _label_times(names: set[str], model: TaskModel) -> dict[str, float]:
+    """Per task name of `names`, its time under `model`; a W part without its I task
+    does both.
 
     The compiler emits no I task where no input gradient is needed (the first stage),
     so that W computes what I would have (the gradients inside the stage).
     """
-    names = {t.name for ts in graph.tasks for t in ts}
+    parts = {label for name in names for label in name.split("+")}
     out = {}
-    for ts in graph.tasks:
-        for t in ts:
-            total = 0.0
-            for label in t.name.split("+"):
-                total += _kind_latency(model, label)
-                if label.startswith("W") and "I" + label[1:] not in names:
-                    total += _kind_latency(model, "I" + label[1:])
-            out[t.name] = total
+    for name in names:
+        total = 0.0
+        for label in name.split("+"):
+            total += _kind_latency(model, label)
+            if label.startswith("W") and "I" + label[1:] not in parts:
+                total += _kind_latency(model, "I" + label[1:])
+        out[name] = total
     return out
 
 
@@ -284,9 +289,13 @@ class _TimedLowering(_Lowering):
       (`_ESTIMATES`, the task-time models of `_MODELS`: no single estimate wins
       everywhere: on 4 groups Interleaved and KimiK2 reach their own timeline under
       every model when walked with B four times F, ZeroBubble and DualPipeV gain only
-      from the lazy walk on the defaults) and simulates each under every model; a
-      timed order replaces the round order only if it is no slower under any model,
-      and the one with the best mean wins. bench/lowering.py measures the result
+      from the lazy walk on the defaults) and simulates each under every model, each
+      task at its time under the model as the walks estimated it (`_label_times`: the
+      first stage's W, which has no I task, does both), and with the runtime's sends
+      (`sends`: blocking, or posted where the MPI executor posts them, `Note: posted
+      sends` in mpi/posted.py; every candidate is deadlock-free with blocking sends
+      either way); a timed order replaces the round order only if it is no slower
+      under any model, and the one with the best mean wins. bench/lowering.py measures the result
       against each schedule's own dataflow timeline. When the user gives measured task
       times (`task_times_ms`), there is nothing to hedge: the walks also run on those
       times and the program fastest under them wins (`_lower_measured`).
@@ -443,31 +452,48 @@ def _passes(lowering: _Lowering) -> tuple[Program, BufferNames]:
     return program_passes.assign_tags(program_passes.pair_exchanges(program)), names
 
 
-def _play(program: Program, times: Callable[[str], tuple[float, ...]],
-          k: int) -> list[tuple[float, float]]:
+def _play(program: Program, times: Callable[[str], tuple[float, ...]], k: int,
+          sends: str = "blocking") -> list[tuple[float, float]]:
     """Per set of task times, (makespan, busiest group's work) of `program`.
 
-    The makespan is `simulate.simulate`'s with free messages, for every set of times
-    from one `rendezvous.play` (the candidates are checked once, the winner by
-    `simulate.verify`): a Run ends its task's time after it starts, a message when both
-    sides have reached it. `times(label)` gives a task's time in each of the `k` sets.
+    The makespan is `simulate.simulate`'s with free messages and `sends`, for every set
+    of times from one play (`rendezvous.play`, or `simulate.posted_order` for posted
+    sends; the candidates are checked once, the winner by `simulate.verify`): a Run
+    ends its task's time after it starts; a blocking message when both sides have
+    reached it, a posted one when its receiver has reached it and its sender had.
+    `times(label)` gives a task's time in each of the `k` sets.
     """
     instrs = [g.instrs for g in program.groups]
     now = [[0.0] * len(instrs) for _ in range(k)]
     busy = [[0.0] * len(instrs) for _ in range(k)]
     cache: dict[str, tuple[float, ...]] = {}
-    for e in rendezvous.play(program):
-        if isinstance(e, rendezvous.Matched):
-            (s, _), (d, _) = e.send, e.recv
-            for clock in now:
-                clock[s] = clock[d] = max(clock[s], clock[d])
-        elif isinstance(run := instrs[e.group][e.index], Run):
-            ts = cache.get(run.task)
-            if ts is None:
-                ts = cache[run.task] = times(run.task)
-            for clock, work, t in zip(now, busy, ts):
-                clock[e.group] += t
-                work[e.group] += t
+
+    def run_task(g: int, run: Run) -> None:
+        ts = cache.get(run.task)
+        if ts is None:
+            ts = cache[run.task] = times(run.task)
+        for clock, work, t in zip(now, busy, ts):
+            clock[g] += t
+            work[g] += t
+
+    if sends == "posted":
+        posted: dict[tuple[int, int], list[float]] = {}
+        for is_post, g, i, sender in simulate.posted_order(program):
+            if is_post:
+                posted[(g, i)] = [clock[g] for clock in now]
+            elif sender is not None:
+                for clock, t in zip(now, posted[sender]):
+                    clock[g] = max(clock[g], t)
+            elif isinstance(run := instrs[g][i], Run):
+                run_task(g, run)
+    else:
+        for e in rendezvous.play(program):
+            if isinstance(e, rendezvous.Matched):
+                (s, _), (d, _) = e.send, e.recv
+                for clock in now:
+                    clock[s] = clock[d] = max(clock[s], clock[d])
+            elif isinstance(run := instrs[e.group][e.index], Run):
+                run_task(e.group, run)
     return [(max(clock, default=0.0), max(work, default=0.0)) for clock, work in zip(now, busy)]
 
 
@@ -476,10 +502,13 @@ def _ratio(makespan: float, busiest: float) -> float:
     return makespan / busiest if busiest > 0 else makespan
 
 
-def _scores(program: Program) -> tuple[float, ...]:
-    """Per model of `_MODELS`: the makespan over the busiest group's work (`_play`)."""
-    played = _play(program, lambda label: tuple(_kind_latency(m, label) for m in _MODELS),
-                   len(_MODELS))
+def _scores(program: Program, sends: str = "blocking") -> tuple[float, ...]:
+    """Per model of `_MODELS`: the makespan over the busiest group's work (`_play`),
+    each task at its time under the model as the walks estimate it (`_estimate`)."""
+    labels = {r.task for g in program.groups for r in g.instrs if isinstance(r, Run)}
+    per_model = [_label_times(labels, m) for m in _MODELS]
+    played = _play(program, lambda label: tuple(t.get(label, 0.0) for t in per_model),
+                   len(_MODELS), sends)
     return tuple(_ratio(*x) for x in played)
 
 
@@ -548,9 +577,9 @@ def _measured_estimate(graph: TaskGraph, task_ms: Mapping[str, float]) -> dict[s
     return out
 
 
-def _makespan(program: Program, latency: Mapping[str, float]) -> float:
+def _makespan(program: Program, latency: Mapping[str, float], sends: str = "blocking") -> float:
     """The makespan of `program` (`_play`), each Run taking its task's time in `latency`."""
-    return _play(program, lambda label: (latency.get(label, 0.0),), 1)[0][0]
+    return _play(program, lambda label: (latency.get(label, 0.0),), 1, sends)[0][0]
 
 
 def _timed_candidates(graph: TaskGraph, estimates: Iterable[Mapping[str, float]]
@@ -568,7 +597,8 @@ def _timed_candidates(graph: TaskGraph, estimates: Iterable[Mapping[str, float]]
                 yield _passes(walk)
 
 
-def _lower_measured(graph: TaskGraph, task_ms: Mapping[str, float]) -> tuple[Program, BufferNames]:
+def _lower_measured(graph: TaskGraph, task_ms: Mapping[str, float],
+                    sends: str = "blocking") -> tuple[Program, BufferNames]:
     """The fastest of the round order and the timed orders under measured task times.
 
     The timed walks run eager and lazy on the measured times and on each estimate of
@@ -578,16 +608,16 @@ def _lower_measured(graph: TaskGraph, task_ms: Mapping[str, float]) -> tuple[Pro
     """
     measured = _measured_estimate(graph, task_ms)
     rounds = _finish(_Lowering(graph))
-    best, best_time = rounds, _makespan(rounds[0], measured)
+    best, best_time = rounds, _makespan(rounds[0], measured, sends)
     estimates = (measured, *(_estimate(graph, m) for m in _ESTIMATES))
     for candidate in _timed_candidates(graph, estimates):
-        t = _makespan(candidate[0], measured)
+        t = _makespan(candidate[0], measured, sends)
         if t < best_time - 1e-9:
             best, best_time = candidate, t
     return best
 
 
-def _lower_best(graph: TaskGraph) -> tuple[Program, BufferNames]:
+def _lower_best(graph: TaskGraph, sends: str = "blocking") -> tuple[Program, BufferNames]:
     """The best of the round order and the timed orders (`Note: timed order`).
 
     The timed walks run eager and lazy under each estimate of `_ESTIMATES`; walks that
@@ -599,12 +629,12 @@ def _lower_best(graph: TaskGraph) -> tuple[Program, BufferNames]:
     (`_dataflow_scores`: GPipe, 1F1B) is kept without walking.
     """
     rounds = _finish(_Lowering(graph))
-    base = _scores(rounds[0])
+    base = _scores(rounds[0], sends)
     if all(x <= y + 1e-9 for x, y in zip(base, _dataflow_scores(graph))):
         return rounds  # already the graph's own timeline under every model
     best, best_mean = rounds, sum(base) / len(base)
     for candidate in _timed_candidates(graph, (_estimate(graph, m) for m in _ESTIMATES)):
-        scores = _scores(candidate[0])
+        scores = _scores(candidate[0], sends)
         mean = sum(scores) / len(scores)
         if all(x <= y + 1e-9 for x, y in zip(scores, base)) and mean < best_mean - 1e-9:
             best, best_mean = candidate, mean
@@ -612,7 +642,7 @@ def _lower_best(graph: TaskGraph) -> tuple[Program, BufferNames]:
 
 
 def build_program_with_names(
-    graph: TaskGraph, task_ms: Mapping[str, float] | None = None
+    graph: TaskGraph, task_ms: Mapping[str, float] | None = None, sends: str = "blocking"
 ) -> tuple[Program, BufferNames]:
     """Lowers `graph` to a verified Program, and names every buffer.
 
@@ -639,6 +669,9 @@ def build_program_with_names(
       task_ms: measured task times (ms) by task label, or None. Given, the walks also
         run on these times and the fastest program under them is kept
         (`_lower_measured`) instead of the one best across task-time models.
+      sends: how the runtime sends ("blocking", or "posted": `Note: posted sends` in
+        mpi/posted.py): candidates are timed that way. Every program is verified with
+        blocking sends either way.
 
     Returns:
       The program, and per group a dict from buffer id to the value it holds.
@@ -650,7 +683,8 @@ def build_program_with_names(
       ProgramError: if the result does not verify (a bug in this pass).
     """
     graph.validate()
-    program, names = _lower_best(graph) if not task_ms else _lower_measured(graph, task_ms)
+    program, names = (_lower_best(graph, sends) if not task_ms
+                      else _lower_measured(graph, task_ms, sends))
     program = program_passes.add_frees(program)
     simulate.verify(program)
     return program, names

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from jaxpp_mpi._src.ir import rendezvous
 from jaxpp_mpi._src.ir.passes import (
+    Loc,
     Matching,
     aval_nbytes,
     match_messages,
@@ -39,7 +40,9 @@ __all__ = [
     "aval_nbytes",
     "default_latency",
     "format_grid",
+    "posted_order",
     "ring_allreduce",
+    "runtime_sends",
     "simulate",
     "verify",
 ]
@@ -80,6 +83,13 @@ def _no_transfer(aval: Aval) -> float:
 
 def _no_reduce(instr: AllReduce, g: GroupProgram) -> float:
     return 0.0
+
+
+def runtime_sends(platform: str) -> str:
+    """How the MPI executor sends from a group on `platform`: "posted" on CPU (`Note:
+    posted sends` in mpi/posted.py), else "blocking" (message chains). The compiler
+    times its candidate orders the same way."""
+    return "posted" if platform == "cpu" else "blocking"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -378,6 +388,46 @@ def _play(
     )
 
 
+def posted_order(program: Program) -> Iterator[tuple[bool, int, int, Loc | None]]:
+    """The instructions of a statically checked `program` in an order its groups can
+    run them with posted sends (`Note: message model`): each group advances until a
+    receive half whose send half its peer has not reached; a SendRecv posts its send
+    half before it waits.
+
+    Yields:
+      (posted, group, instruction index, sender): with `posted`, the group has reached
+      the send half at that index (once per send half, before the instruction
+      completes); else the instruction completes, `sender` being the matching send
+      half's location for a receive half (posted before), else None.
+
+    Raises:
+      ProgramError: kind 'deadlock' if some receive's send is never reached (cannot
+        happen for a program `verify` passes).
+    """
+    matching = match_messages(program)
+    instrs = [g.instrs for g in program.groups]
+    pc = [0] * len(instrs)
+    posted: set[Loc] = set()
+    moved = True
+    while moved:
+        moved = False
+        for a, mine in enumerate(instrs):
+            while pc[a] < len(mine):
+                k = pc[a]
+                if send_half(mine[k]) is not None and (a, k) not in posted:
+                    posted.add((a, k))
+                    yield True, a, k, None
+                sender = matching.send_of[a].get(k)
+                if sender is not None and sender not in posted:
+                    break
+                yield False, a, k, sender
+                pc[a], moved = k + 1, True
+    stuck = [a for a, mine in enumerate(instrs) if pc[a] < len(mine)]
+    if stuck:
+        raise ProgramError("deadlock", "posted sends: " + "; ".join(
+            _where(a, pc[a], instrs[a][pc[a]]) for a in stuck), stuck, pc[stuck[0]])
+
+
 def _play_posted(
     program: Program,
     latency: Latency,
@@ -385,39 +435,30 @@ def _play_posted(
     reduce_time: Callable[[AllReduce, GroupProgram], float],
     check_leaks: bool,
 ) -> SimResult:
-    """Times a program whose sends are posted (`Note: message model`): each group
-    advances until a receive whose send its peer has not reached yet."""
+    """Times `posted_order`: a send half completes when reached, its message arrives
+    `transfer` later, a receive half completes at the later of both."""
     verify(program, check_leaks=check_leaks)  # every platform's runtime can run it
-    matching = match_messages(program)
     n = program.num_groups
     instrs = [g.instrs for g in program.groups]
-    pc, now, busy = [0] * n, [0.0] * n, [0.0] * n
-    posted: dict[tuple[int, int], float] = {}  # send half -> when it was posted
+    now, busy = [0.0] * n, [0.0] * n
+    posted: dict[Loc, float] = {}  # send half -> when it was posted
     events: list[list[Event]] = [[] for _ in range(n)]
-    moved = True
-    while moved:
-        moved = False
-        for a in range(n):
-            while pc[a] < len(instrs[a]):
-                k = pc[a]
-                instr, start = instrs[a][k], now[a]
-                if send_half(instr) is not None:  # posted before its own receive waits
-                    posted[(a, k)] = start
-                half = recv_half(instr)
-                sender = matching.send_of[a].get(k) if half is not None else None
-                if sender is not None and sender not in posted:
-                    break
-                if isinstance(instr, Run):
-                    end = start + latency(instr)
-                    busy[a] += end - start
-                elif isinstance(instr, AllReduce):
-                    end = start + reduce_time(instr, program.groups[a])
-                elif half is not None and sender is not None:
-                    end = max(start, posted[sender] + transfer(half[3]))
-                else:
-                    end = start
-                events[a].append(Event(k, instr, start, end))
-                now[a], pc[a], moved = end, k + 1, True
+    for is_post, a, k, sender in posted_order(program):
+        instr, start = instrs[a][k], now[a]
+        if is_post:
+            posted[(a, k)] = start
+            continue
+        if isinstance(instr, Run):
+            end = start + latency(instr)
+            busy[a] += end - start
+        elif isinstance(instr, AllReduce):
+            end = start + reduce_time(instr, program.groups[a])
+        elif sender is not None:
+            end = max(start, posted[sender] + transfer(recv_half(instr)[3]))
+        else:
+            end = start
+        events[a].append(Event(k, instr, start, end))
+        now[a] = end
     return SimResult(
         finish=tuple(now),
         makespan=max(now, default=0.0),

@@ -52,6 +52,7 @@ import numpy as np
 from mpi4jax._src.utils import MPI_TYPE_MAP
 from mpi4py import MPI
 
+from jaxpp_mpi._src.ir.simulate import runtime_sends
 from jaxpp_mpi._src.mpi.wire import wire_dtype
 
 __all__ = ["PostedSends", "posts_sends", "wait_for_posted"]
@@ -61,7 +62,7 @@ _live: weakref.WeakSet[PostedSends] = weakref.WeakSet()
 
 def posts_sends(device: jax.Device) -> bool:
     """Whether sends from `device` are posted (`Note: posted sends`) or chained."""
-    return device.platform == "cpu"
+    return runtime_sends(device.platform) == "posted"
 
 
 class PostedSends:
