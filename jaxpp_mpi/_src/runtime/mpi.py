@@ -404,6 +404,8 @@ class MpiExecutor:
         """Runs one step of this rank's program; per flat output, {group: array} for the
         outputs this group holds (empty dicts for the others)."""
         table = self.layout.new_table()
+        if self._posted is not None:
+            self._posted.reap()  # the last step's sends, mostly done by now
         self._bind_inputs(table, step_inputs)
         wd = self._watchdog
         if wd is None:

@@ -16,7 +16,13 @@ from jaxpp_mpi._src.ir.program import (
     Send,
     SendRecv,
 )
-from jaxpp_mpi._src.ir.simulate import MessageCost, aval_nbytes, default_latency, simulate
+from jaxpp_mpi._src.ir.simulate import (
+    MessageCost,
+    aval_nbytes,
+    default_latency,
+    runtime_sends,
+    simulate,
+)
 
 GOLDEN = Path(__file__).resolve().parents[2] / "golden"
 
@@ -187,3 +193,9 @@ def test_posting_never_makes_a_golden_program_slower(name):
     assert posted.makespan < blocking.makespan
     assert posted.busy == blocking.busy
     assert all(p <= b + 1e-9 for p, b in zip(posted.finish, blocking.finish))
+
+
+def test_runtime_sends_by_platform():
+    assert runtime_sends("cpu") == "posted"  # Note: posted sends
+    assert runtime_sends("cuda") == "blocking"  # message chains
+    assert runtime_sends("rocm") == "blocking"
