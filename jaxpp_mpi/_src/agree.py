@@ -21,6 +21,16 @@ runtime/failure.py): a rank that never arrives ends the job, each waiting rank n
 label. `run` measures its own work (tracing, compiling) and records it under its label,
 so that collective's deadline grows with it.
 
+Note: idle waits.
+  After long local work (tracing, compiling) ranks reach the next collective seconds
+  apart, and a rank waiting in a blocking MPI collective polls, using a whole core.
+  Where ranks share cores (more ranks than cores, as in CI), that core is taken from a
+  peer that is still compiling. So `run` and the compile barrier first wait in
+  `wait_idle`: a non-blocking barrier tested every `IDLE_POLL_S`, sleeping between
+  tests, which costs a rank at most that much latency once every rank has arrived.
+  Collectives on a step's path (the step call agreement) do not: there the ranks arrive
+  together.
+
 Only mpi4py's object collectives of a communicator handed in are used here; nothing
 here imports MPI. Modules outside `mpi/` that need the MPI layer itself reach it through
 `collectives()`, imported on first use: mpi4py initialises MPI on import, and local
@@ -55,6 +65,7 @@ __all__ = [
     "raise_gathered",
     "raise_if_any",
     "run",
+    "wait_idle",
 ]
 
 T = TypeVar("T")
@@ -185,6 +196,24 @@ def raise_if_any(error: BaseException | None, comm: Comm, failure: Failure, *,
     allgather_or_raise(None, error, comm, failure, own=own, message=message, label=label)
 
 
+IDLE_POLL_S = 0.002
+"""How often `wait_idle` tests whether every rank has arrived (`Note: idle waits`)."""
+
+
+def wait_idle(comm: Comm, label: str = LABEL) -> None:
+    """Returns once every rank of `comm` has called it, sleeping while it waits (see
+    `Note: idle waits`); under the deadline `label`. Nothing for `comm=None` or a
+    stand-in communicator without `Ibarrier`.
+    """
+    ibarrier = getattr(comm, "Ibarrier", None)
+    if ibarrier is None:
+        return
+    with deadline(label, comm):
+        request = ibarrier()
+        while not request.Test():
+            time.sleep(IDLE_POLL_S)
+
+
 def run(fn: Callable[[], T], comm: Comm, failure: Failure, *, own: Own = "always",
         label: str = LABEL) -> T:
     """`fn()` on every rank; if it raises on any rank, every rank raises.
@@ -209,6 +238,7 @@ def run(fn: Callable[[], T], comm: Comm, failure: Failure, *, own: Own = "always
     except Exception as e:  # noqa: BLE001 - raised on every rank just below
         result, error = None, e
     record_work(label, time.monotonic() - start)
+    wait_idle(comm, label)
     raise_if_any(error, comm, failure, own=own, label=label)
     return result
 

@@ -364,6 +364,7 @@ class MpmdCompiled:
                 # A peer may still be compiling: this rank's own compile time so far
                 # extends the deadline (`Note: deadlines` in runtime/failure.py).
                 failure.record_work("compile barrier", time.perf_counter() - started)
+                agree.wait_idle(mesh.job_comm, "compile barrier")  # Note: idle waits
                 gathered = agree.allgather_or_raise(
                     None if error else mine, error, mesh.job_comm, _compile_failed,
                     own="if_all", label="compile barrier")

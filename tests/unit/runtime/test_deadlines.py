@@ -165,3 +165,33 @@ def test_a_step_still_running_when_the_next_starts_is_recorded_once_done():
     first.ready = True
     wd.step_started()
     assert len(wd._durations) == 2
+
+
+class SlowArrivals:
+    """A stand-in communicator whose non-blocking barrier completes after `tests` tests."""
+
+    def __init__(self, tests: int):
+        self.left, self.sleeps = tests, []
+
+    def Ibarrier(self):  # noqa: N802 - mpi4py's name
+        return self
+
+    def Test(self) -> bool:  # noqa: N802 - mpi4py's name
+        self.left -= 1
+        return self.left <= 0
+
+    def Get_rank(self) -> int:  # noqa: N802 - mpi4py's name
+        return 0
+
+    def allgather(self, obj):
+        return [obj, obj]
+
+
+def test_waiting_for_peers_after_local_work_sleeps(quick, monkeypatch):
+    """`Note: idle waits`: `run` waits for the others in a barrier it tests between
+    sleeps, then takes the decision."""
+    comm = SlowArrivals(tests=4)
+    monkeypatch.setattr(agree.time, "sleep", lambda s: comm.sleeps.append(s))
+    assert agree.run(lambda: 7, comm, ValueError, label="compile barrier") == 7
+    assert comm.sleeps == [agree.IDLE_POLL_S] * 3
+    agree.wait_idle(None)  # local mode: nothing to wait for
