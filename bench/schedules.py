@@ -17,7 +17,8 @@ traced, in rotated order, and the reference once, on rank 0 while rank 1 waits):
   (`analyze_schedule`, default task times F=1, B=2, I=W=1): the single-process work
   spread over the ranks, plus the schedule's bubble; `fraction` = ideal_ms / step_ms;
 - `predicted_ms`: the simulator's makespan of the lowered program with posted sends
-  (what the CPU runtime does, `Note: posted sends`), every message at the measured
+  (what the CPU runtime does, `Note: posted sends`; blocking sends for the `--chained`
+  contenders, which run with JAXPP_MPI_POSTED_SENDS=0), every message at the measured
   `latency + bytes / bandwidth` (`MessageCost`, fitted to a ping-pong of the runtime's
   message chains in this run), every Run at the time its task took in one round's
   traced step: the median over the rounds of those makespans. `overhead` = step_ms /
@@ -93,6 +94,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         action="store_true",
         help="also run each schedule lowered for its own task times (their medians over "
         "3 steps, `task_times_ms`), as the contender 'NAME+tuned' where the program differs",
+    )
+    p.add_argument(
+        "--chained",
+        action="store_true",
+        help="also run each schedule with blocking sends (JAXPP_MPI_POSTED_SENDS=0: message "
+        "chains, and the program lowered for them), as the contender 'NAME+chained': the "
+        "same-run baseline of posted sends",
     )
     p.add_argument("--out", default="bench/results/schedules.json")
     return block_options(p, p.parse_args(argv))
@@ -279,6 +287,23 @@ def schedule_makespan(sched, n: int, task_ms: dict[str, float], message_ms: floa
     return max(free)
 
 
+def chained_compile(step, mesh, *args):
+    """`step` compiled as with JAXPP_MPI_POSTED_SENDS=0 (blocking sends, `Note: posted
+    sends`): the options are read when the step is lowered and its executor built."""
+    import dataclasses
+
+    import jaxpp_mpi
+    from jaxpp_mpi._src import config
+
+    blocking = dataclasses.replace(config.options(), posted_sends=False)
+    real = config.options
+    config.options = lambda: blocking
+    try:
+        return jaxpp_mpi.mpmd_jit_with_loop(step, mpmd_mesh=mesh).compile(*args)
+    finally:
+        config.options = real
+
+
 def round_times(per_rank: list[list[dict[str, float]]]) -> list[dict[str, float]]:
     """Per round, every rank's task times of that round's traced step, merged (each
     rank times its own tasks)."""
@@ -382,6 +407,12 @@ def main() -> None:
         ).compile(params, batch)
         if rank == 0:
             print(f"compiled {sched!r} in {time.perf_counter() - start:.1f} s", flush=True)
+    if args.chained:
+        for name in list(args.schedules):
+            cname = f"{name}+chained"
+            scheds[cname], compiled[cname] = scheds[name], chained_compile(
+                pipelined_step(scheds[name], n), mesh, params, batch)
+            args.schedules.append(cname)
 
     def run_pipelined(name):
         losses, grads = compiled[name](params, batch)
@@ -504,15 +535,16 @@ def main() -> None:
         flop_ms = flop_task_ms(program, per_exe, jit_ms / jit_flops)
         latency = lambda run, m=all_medians: m.get(run.task, 0.0)  # noqa: E731
         # the runtime posts a CPU group's sends (Note: posted sends in mpi/posted.py)
+        sends = "blocking" if name.endswith("+chained") else "posted"
         predicted = simulate(program, latency=latency, transfer=cost, check_leaks=False,
-                             sends="posted")
-        predicted_free = simulate(program, latency=latency, check_leaks=False, sends="posted")
+                             sends=sends)
+        predicted_free = simulate(program, latency=latency, check_leaks=False, sends=sends)
         predicted_blocking = simulate(program, latency=latency, transfer=cost,
                                       check_leaks=False)
         rounds = round_times(comm.allgather(task_rounds[name]))
         round_predicted = [
             simulate(program, latency=lambda run, m=m: m.get(run.task, 0.0), transfer=cost,
-                     check_leaks=False, sends="posted").makespan
+                     check_leaks=False, sends=sends).makespan
             for m in rounds
         ]
         round_own = [schedule_makespan(sched, n, m, cost(act_aval)) for m in rounds]
@@ -547,6 +579,7 @@ def main() -> None:
             "ideal_factor": factor,
             "ideal_ms": ideal_ms,
             "fraction_of_ideal": ideal_ms / step_ms,
+            "sends": sends,
             "predicted_ms": float(np.median(round_predicted)),
             "predicted_ms_all": round_predicted,
             "predicted_of_medians_ms": predicted.makespan,

@@ -431,7 +431,8 @@ def _runtime_sends(mesh: MpmdMesh) -> str:
     in the rendezvous play's order (`Note: local order`), timed as blocking sends."""
     if mesh.is_local:
         return "blocking"
-    return runtime_sends(next(iter(mesh.jax_mesh.devices.flat)).platform)
+    return runtime_sends(next(iter(mesh.jax_mesh.devices.flat)).platform,
+                         config.options().posted_sends)
 
 
 def _task_times(task_times_ms: Any) -> dict[str, float] | None:

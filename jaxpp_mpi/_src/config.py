@@ -17,6 +17,9 @@ Variables:
     leaves `sys.excepthook` alone.
   JAXPP_MPI_HEAP_TUNING: `1` (default): the MPI executor keeps large host buffers in the
     C heap (see `Note: large buffers` in mpi/heap.py); `0` leaves glibc's defaults.
+  JAXPP_MPI_POSTED_SENDS: `1` (default): on CPU, MPI mode posts its sends (non-blocking,
+    `Note: posted sends` in mpi/posted.py) and lowers for them; `0`: blocking sends
+    (message chains), as on other platforms.
   JAXPP_MPI_REPLICA_BUCKET_MB: with pipeline replicas, the most MiB of loop outputs
     (gradients) one all-reduce across replicas carries (default 64, chosen by
     bench/replicas.py; `0`: one all-reduce per task's results; `Note: replica
@@ -53,6 +56,7 @@ class Options:
       work_factor: ...or this many times the slowest local work before the collective
         (tracing, compiling), when longer.
       replica_bucket_bytes: the largest all-reduce across pipeline replicas, in bytes.
+      posted_sends: whether MPI mode posts its sends where the platform allows (CPU).
     """
 
     step_timeout_s: float | None = None
@@ -69,6 +73,7 @@ class Options:
     auto_deadline_s: float = 300.0
     work_factor: float = 5.0
     replica_bucket_bytes: int = 64 << 20
+    posted_sends: bool = True
 
 
 def _float(env: Mapping[str, str], name: str, default: float) -> float:
@@ -122,6 +127,7 @@ def parse_options(env: Mapping[str, str]) -> Options:
         abort_on_exception=_flag(env, "JAXPP_MPI_ABORT_ON_EXCEPTION"),
         heap_tuning=_flag(env, "JAXPP_MPI_HEAP_TUNING"),
         replica_bucket_bytes=int(_float(env, "JAXPP_MPI_REPLICA_BUCKET_MB", 64.0) * (1 << 20)),
+        posted_sends=_flag(env, "JAXPP_MPI_POSTED_SENDS"),
     )
 
 

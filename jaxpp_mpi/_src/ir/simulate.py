@@ -85,11 +85,12 @@ def _no_reduce(instr: AllReduce, g: GroupProgram) -> float:
     return 0.0
 
 
-def runtime_sends(platform: str) -> str:
+def runtime_sends(platform: str, posted_sends: bool = True) -> str:
     """How the MPI executor sends from a group on `platform`: "posted" on CPU (`Note:
-    posted sends` in mpi/posted.py), else "blocking" (message chains). The compiler
-    times its candidate orders the same way."""
-    return "posted" if platform == "cpu" else "blocking"
+    posted sends` in mpi/posted.py) unless `posted_sends` is off (the option
+    JAXPP_MPI_POSTED_SENDS), else "blocking" (message chains). The compiler times its
+    candidate orders the same way."""
+    return "posted" if platform == "cpu" and posted_sends else "blocking"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -60,9 +60,10 @@ __all__ = ["PostedSends", "posts_sends", "wait_for_posted"]
 _live: weakref.WeakSet[PostedSends] = weakref.WeakSet()
 
 
-def posts_sends(device: jax.Device) -> bool:
-    """Whether sends from `device` are posted (`Note: posted sends`) or chained."""
-    return runtime_sends(device.platform) == "posted"
+def posts_sends(device: jax.Device, posted_sends: bool = True) -> bool:
+    """Whether sends from `device` are posted (`Note: posted sends`) or chained;
+    `posted_sends` is the option JAXPP_MPI_POSTED_SENDS (`simulate.runtime_sends`)."""
+    return runtime_sends(device.platform, posted_sends) == "posted"
 
 
 class PostedSends:

@@ -243,7 +243,8 @@ class MpiExecutor:
         self._messenger = _Messenger(comm, replica_comm)
         first_device = sharding(Aval((), "int32")).mesh.devices.flat[0]
         self._chain = chains.Chain(first_device)
-        self._posted = PostedSends(comm) if posts_sends(first_device) else None
+        posted = posts_sends(first_device, options.posted_sends)
+        self._posted = PostedSends(comm) if posted else None
         self._plans: dict[Aval, ShardPlan] = {}
         self._sharding = sharding
         self._replica_comm = replica_comm

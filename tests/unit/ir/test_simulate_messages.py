@@ -199,3 +199,14 @@ def test_runtime_sends_by_platform():
     assert runtime_sends("cpu") == "posted"  # Note: posted sends
     assert runtime_sends("cuda") == "blocking"  # message chains
     assert runtime_sends("rocm") == "blocking"
+
+
+@pytest.mark.parametrize("value, posted", [(None, True), ("1", True), ("0", False), ("off", False)])
+def test_posted_sends_option(value, posted):
+    from jaxpp_mpi._src.config import parse_options
+
+    options = parse_options({} if value is None else {"JAXPP_MPI_POSTED_SENDS": value})
+    assert options.posted_sends is posted
+    assert runtime_sends("cpu", options.posted_sends) == ("posted" if posted else "blocking")
+    with pytest.raises(ValueError, match="JAXPP_MPI_POSTED_SENDS"):
+        parse_options({"JAXPP_MPI_POSTED_SENDS": "maybe"})
