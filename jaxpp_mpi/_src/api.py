@@ -431,8 +431,9 @@ def _runtime_sends(mesh: MpmdMesh) -> str:
     in the rendezvous play's order (`Note: local order`), timed as blocking sends."""
     if mesh.is_local:
         return "blocking"
-    return runtime_sends(next(iter(mesh.jax_mesh.devices.flat)).platform,
-                         config.options().posted_sends)
+    device = next(iter(mesh.jax_mesh.devices.flat), None)  # none: a submesh without us
+    platform = device.platform if device is not None else jax.default_backend()
+    return runtime_sends(platform, config.options().posted_sends)
 
 
 def _task_times(task_times_ms: Any) -> dict[str, float] | None:

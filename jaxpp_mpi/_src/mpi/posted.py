@@ -25,16 +25,20 @@ Note: posted sends.
   proved deadlock-free with blocking sends (`simulate(..., sends="posted")` times it).
 
   Memory. The message is read from a host view of the array's own buffer, so posting
-  waits for the task that computes it (Python blocks there, where a chain would block
-  an XLA thread). While the view lives, JAX does not donate the buffer (a Run that
-  donates it gets a fresh output buffer instead), so a message in flight is never
-  overwritten. The view is taken with DLPack, which the array does not cache, so once
-  the send completes and is reaped, later donations of the buffer work again; dtypes
-  DLPack lacks in NumPy (bfloat16, float16, float8: `Note: Wire dtypes`) use the
-  array's own cached NumPy view, which keeps JAX from donating that buffer at all.
+  waits for the task that computes it (Python blocks there, where a chain would be
+  queued behind the task and Python would dispatch on). While the view lives, JAX does
+  not donate the buffer (a Run that donates it gets a fresh output buffer instead), so a
+  message in flight is never overwritten. The view is taken with DLPack, which the
+  array does not cache, so once the send completes and is reaped, later donations of
+  the buffer work again; dtypes DLPack lacks in NumPy (bfloat16, float16, float8: `Note:
+  Wire dtypes`) use the array's own cached NumPy view, which keeps JAX from donating
+  that buffer at all.
 
   Other platforms keep the chains: there the host view would be a device-to-host copy
-  and a wait that stalls the dispatch of the next tasks.
+  and a wait that stalls the dispatch of the next tasks. JAXPP_MPI_POSTED_SENDS=0 keeps
+  them on CPU too (`bench/schedules.py --chained` runs both in the same rounds; on its
+  2-rank workload, a core per rank, the step times differ by less than that machine's
+  noise; bench/README.md).
 """
 
 from __future__ import annotations
