@@ -381,12 +381,13 @@ def _play(
         if record:
             events[a].append(Event(pc, instr, start, end))
         now[a] = end
-    return SimResult(
-        finish=tuple(now),
-        makespan=max(now, default=0.0),
-        events=tuple(tuple(e) for e in events),
-        busy=tuple(busy),
-    )
+    return _result(now, events, busy)
+
+
+def _result(now: list[float], events: list[list[Event]], busy: list[float]) -> SimResult:
+    """A play's outcome from its per-group clocks, events and busy times."""
+    return SimResult(finish=tuple(now), makespan=max(now, default=0.0),
+                     events=tuple(tuple(e) for e in events), busy=tuple(busy))
 
 
 def posted_order(program: Program) -> Iterator[tuple[bool, int, int, Loc | None]]:
@@ -460,12 +461,7 @@ def _play_posted(
             end = start
         events[a].append(Event(k, instr, start, end))
         now[a] = end
-    return SimResult(
-        finish=tuple(now),
-        makespan=max(now, default=0.0),
-        events=tuple(tuple(e) for e in events),
-        busy=tuple(busy),
-    )
+    return _result(now, events, busy)
 
 
 def verify(program: Program, *, check_leaks: bool = True) -> None:
