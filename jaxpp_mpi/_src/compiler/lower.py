@@ -520,6 +520,7 @@ def _dataflow_scores(graph: TaskGraph) -> tuple[float, ...]:
     order does better, so a round order at this bound under every model needs no
     timed walk.
     """
+    estimates = [_estimate(graph, model) for model in _MODELS]  # as `_scores` times
     ready = {v: 0.0 for v, _, _ in graph.inputs}
     finish = [dict(ready) for _ in _MODELS]
     free = [[0.0] * graph.num_groups for _ in _MODELS]
@@ -531,8 +532,8 @@ def _dataflow_scores(graph: TaskGraph) -> tuple[float, ...]:
         for g, ts in enumerate(graph.tasks):
             while nxt[g] < len(ts) and all(v in finish[0] for v in ts[nxt[g]].ins):
                 task = ts[nxt[g]]
-                for m, model in enumerate(_MODELS):
-                    t = _kind_latency(model, task.name)
+                for m, times in enumerate(estimates):
+                    t = times[task.name]
                     start = max([free[m][g], *(finish[m][v] for v in task.ins)])
                     free[m][g] = start + t
                     busy[m][g] += t
