@@ -285,9 +285,10 @@ def quiesce() -> None:
 
 @atexit.register
 def wait_for_chains() -> None:
-    """Waits for every live `Chain` (runs at exit, before mpi4py finalizes MPI)."""
-    for c in list(_chains):
+    """Waits for every live `Chain`, then every posted send (runs at exit, before mpi4py
+    finalizes MPI)."""
+    for wait in [c.wait for c in list(_chains)] + [posted.wait_for_posted]:
         try:
-            c.wait()
+            wait()
         except Exception:  # noqa: BLE001 - a failed step already reported its error
             pass

@@ -15,8 +15,9 @@ Note: posted sends.
   help (single copy), so the data moves while the sender computes (measured with the
   default settings: a receiver that posts its receive while the sender computes gets
   even a 1 MiB message at once). The request, the array and its host view stay here
-  until the request completes; completed requests are reaped at the next post, and
-  every live `PostedSends` is waited for at exit, before MPI is finalized.
+  until the request completes; completed requests are reaped at the next post and when
+  a step starts, and every live `PostedSends` is waited for by `chains.quiesce` and at
+  exit, before MPI is finalized (`chains.wait_for_chains`).
 
   Order. MPI matches the messages of one (source, communicator, tag) in the order they
   were posted; every send of a CPU group is posted here, in program order, from the
@@ -43,7 +44,6 @@ Note: posted sends.
 
 from __future__ import annotations
 
-import atexit
 import collections
 import weakref
 from typing import Any
@@ -100,6 +100,12 @@ class PostedSends:
         self._pending.append((request, host, x))
         self.reap()
 
+    def post_shards(self, shards: list[jax.Array], dst: int) -> None:
+        """Posts a value's distinct shards to `dst`, shard j with tag j (`Note:
+        messages` in runtime/mpi.py)."""
+        for j, shard in enumerate(shards):
+            self.post(shard, dst, j)
+
     def reap(self) -> None:
         """Drops the oldest sends that have completed."""
         pending = self._pending
@@ -112,20 +118,9 @@ class PostedSends:
         MPI.Request.Waitall([p[0] for p in pending])
         pending.clear()
 
-    def __len__(self) -> int:
-        return len(self._pending)
-
 
 def wait_for_posted() -> None:
-    """Blocks until every send of every live `PostedSends` has completed."""
+    """Blocks until every send of every live `PostedSends` has completed (also at exit:
+    `chains.wait_for_chains`)."""
     for p in list(_live):
         p.wait()
-
-
-@atexit.register
-def _wait_at_exit() -> None:
-    """`wait_for_posted` at exit, before mpi4py finalizes MPI."""
-    try:
-        wait_for_posted()
-    except Exception:  # noqa: BLE001 - a failed step already reported its error
-        pass

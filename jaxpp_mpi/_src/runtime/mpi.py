@@ -285,8 +285,7 @@ class MpiExecutor:
         args = {"dst": dst, "tag": instr.tag, "buf": instr.buf, "bytes": plan.nbytes}
         if posted is not None:
             def post(table: Table, times: Any) -> None:
-                for j, shard in enumerate(plan.shards_of(table[slot])):
-                    posted.post(shard, dst, j)
+                posted.post_shards(plan.shards_of(table[slot]), dst)
 
             return post, timed_message(post, group, "send", args, _nothing)
         sends = [m.send(plan, j, dst) for j in range(len(plan.pieces))]
@@ -304,11 +303,7 @@ class MpiExecutor:
         recvs = [m.recv(plan, j, instr.src) for j in range(len(plan.pieces))]
 
         def step(table: Table, times: Any) -> None:
-            got = []
-            for device, fn in recvs:
-                chain.order, x = fn(chain.on(device))
-                got.append(x)
-            table[slot] = plan.assemble(got)
+            table[slot] = plan.assemble(_received(chain, recvs))
 
         args = {"src": instr.src, "tag": instr.tag, "buf": instr.buf, "bytes": plan.nbytes}
         return step, timed_message(step, group, "recv", args, chain.wait)
@@ -328,13 +323,8 @@ class MpiExecutor:
             recvs = [m.recv(r_plan, j, peer) for j in range(len(r_plan.pieces))]
 
             def exchange(table: Table, times: Any) -> None:
-                for j, shard in enumerate(s_plan.shards_of(table[s_slot])):
-                    posted.post(shard, peer, j)
-                got = []
-                for device, fn in recvs:
-                    chain.order, y = fn(chain.on(device))
-                    got.append(y)
-                table[r_slot] = r_plan.assemble(got)
+                posted.post_shards(s_plan.shards_of(table[s_slot]), peer)
+                table[r_slot] = r_plan.assemble(_received(chain, recvs))
 
             return exchange, timed_message(exchange, group, "sendrecv", args, chain.wait)
         # Shard j of each direction pairs into one sendrecv while both sit on one device.
@@ -358,15 +348,11 @@ class MpiExecutor:
                 chain.order, y = fn(chain.on(device), x)
                 got.append(y)
             if not sends_first:
-                for device, fn in recvs:
-                    chain.order, y = fn(chain.on(device))
-                    got.append(y)
+                got += _received(chain, recvs)
             for (device, fn), x in zip(sends, shards[paired:]):
                 (chain.order,) = fn(chain.on(device), x)
             if sends_first:
-                for device, fn in recvs:
-                    chain.order, y = fn(chain.on(device))
-                    got.append(y)
+                got += _received(chain, recvs)
             table[r_slot] = r_plan.assemble(got)
 
         return step, timed_message(step, group, "sendrecv", args, chain.wait)
@@ -444,6 +430,16 @@ class MpiExecutor:
                 untimed, timed = mark(k, untimed), mark(k, timed)
             pairs.append((untimed, timed))
         return StepLists(pairs)
+
+
+def _received(chain: chains.Chain, recvs: list) -> list[jax.Array]:
+    """Runs receive chains `recvs` ((device, fn) per shard) in order on `chain`; their
+    shards."""
+    got = []
+    for device, fn in recvs:
+        chain.order, x = fn(chain.on(device))
+        got.append(x)
+    return got
 
 
 def _nothing() -> None:
