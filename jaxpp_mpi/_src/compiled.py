@@ -188,9 +188,9 @@ class MpmdCompiled:
         self._executables: list[dict[str, jax.stages.Compiled]] = [
             {} for _ in range(plan.num_groups)]
         self._unreduced: dict[tuple[int, str], deferred.Unreduced] = {}
+        self._deferred_families: dict[tuple[int, str], tuple[frozenset, ...] | None] = {}
         if math.prod(mesh.group_shape.values()) > 1:
             plan = self._infer_layouts(plan)
-            self._defer_reductions(plan)
         self.plan = plan
         n_consts = len(plan.consts)
         in_sh = []
@@ -309,15 +309,9 @@ class MpmdCompiled:
         own = [(name, exe) for name, exe in exes.items() if name not in shared]
         for k, (name, exe) in enumerate(own, 1):
             ins, outs = plan.exe_avals[g][name]
-            unreduced = self._unreduced.get((g, name))
-            if unreduced is not None:
-                mine[name] = deferred.compile_deferred(
-                    exe, ins, outs, unreduced, self._auto_mesh(g),
-                    compiler_options=self._compiler_options)
-            else:
-                mine[name] = self._executables[g].get(name) or compile_exe(
-                    exe, ins, outs, functools.partial(self.sharding, g),
-                    compiler_options=self._compiler_options)
+            mine[name] = self._executables[g].get(name) or compile_exe(
+                exe, ins, outs, functools.partial(self.sharding, g),
+                compiler_options=self._compiler_options)
             now = time.perf_counter()
             if report and k < len(own) and now - last >= _REPORT_EVERY_S:
                 logger.info("group %d: %d/%d compiled, %.1f s", g, k, len(own), now - start)
@@ -341,6 +335,9 @@ class MpmdCompiled:
 
         def resolve(g: int, name: str, ins: tuple[Aval, ...], outs: tuple[Aval, ...],
                     fixed: tuple[bool, ...]) -> tuple[Spec, ...]:
+            specs = self._resolve_deferred(plan, g, name, ins, outs, fixed)
+            if specs is not None:
+                return specs
             sharding = functools.partial(self.sharding, g)
             exe = compile_exe(plan.exes[g][name], ins, outs, sharding,
                               free=[not f for f in fixed],
@@ -398,14 +395,46 @@ class MpmdCompiled:
         return dataclasses.replace(plan, program=program, exe_avals=exe_avals,
                                    output_avals=tuple(output_avals))
 
-    def _defer_reductions(self, plan: StepPlan) -> None:
-        """Decides, for this process's groups, which gradient sums are reduced once per
-        step instead of once per microbatch (`Note: deferred reduction`)."""
-        for g in self.mesh.local_groups:
-            for name, u in deferred.plan_group(plan.exes[g], plan.exe_avals[g],
-                                               self._auto_mesh(g)).items():
-                self._unreduced[(g, name)] = u
-                self._executables[g].pop(name, None)  # compiled by the layout pass
+    def _resolve_deferred(self, plan: StepPlan, g: int, name: str, ins: tuple[Aval, ...],
+                          outs: tuple[Aval, ...], fixed: tuple[bool, ...]
+                          ) -> tuple[Spec, ...] | None:
+        """The layout pass's `resolve` for an executable whose family's gradient sums are
+        reduced once per step (`Note: deferred reduction`): compiles it, once, the
+        deferred way and returns its results' layouts; None for any other executable
+        (compiled as usual).
+
+        The family is decided at its first variant, which the layout pass resolves
+        before the others (they take its states). If a later variant fails to compile
+        the deferred way, the whole family falls back to per-microbatch reduction: its
+        variants compiled so far are dropped and compiled as usual later, for the
+        layouts they were given.
+        """
+        exe = plan.exes[g][name]
+        family = (g, exe.family)
+        if not exe.family:
+            return None
+        if family not in self._deferred_families:
+            self._deferred_families[family] = deferred.decide(
+                exe, ins, outs, fixed, self._auto_mesh(g)) if deferred.first_variant(exe) \
+                else None
+        per_state = self._deferred_families[family]
+        if per_state is None:
+            return None
+        unreduced = deferred.variant_unreduced(exe, len(ins), len(outs), per_state)
+        try:
+            compiled, outs = deferred.compile_variant(
+                exe, ins, outs, fixed, unreduced, self._auto_mesh(g),
+                compiler_options=self._compiler_options)
+        except Exception:  # noqa: BLE001 -- Explicit mode refuses a variant: not deferred
+            self._deferred_families[family] = None
+            for other in [n for (h, n) in self._unreduced
+                          if h == g and plan.exes[g][n].family == exe.family]:
+                del self._unreduced[(g, other)]
+                self._executables[g].pop(other, None)
+            return None
+        self._executables[g][name] = compiled
+        self._unreduced[(g, name)] = unreduced
+        return tuple(a.spec for a in outs)
 
     def _make_executor(self) -> LocalExecutor | MpiExecutor:
         """Compiles the executables of this process's groups; returns the executor that

@@ -178,3 +178,59 @@ def test_data_parallel_gradients_are_reduced_once_per_step():
         backward = [n for n in compiled.cost_analysis()[g]["per_executable"] if n[0] == "B"]
         reducing = [n for n in backward if " all-reduce(" in compiled.as_text(g, n)]
         assert reducing == [f"B{g}_last"], (g, backward, reducing)
+
+
+def test_each_executable_is_compiled_once(monkeypatch):
+    """The layout pass compiles every executable of a multi-device group, those of the
+    families whose gradient sums are deferred the deferred way (`Note: deferred
+    reduction`): none is compiled again afterwards."""
+    from collections import Counter
+
+    from jaxpp_mpi._src import compiled as compiled_mod
+    from jaxpp_mpi._src.compiler import deferred
+
+    counts: Counter = Counter()
+
+    def counting(fn):
+        def wrapped(exe, *args, **kwargs):
+            counts[id(exe)] += 1
+            return fn(exe, *args, **kwargs)
+        return wrapped
+
+    monkeypatch.setattr(compiled_mod, "compile_exe", counting(compiled_mod.compile_exe))
+    monkeypatch.setattr(deferred, "compile_deferred", counting(deferred.compile_deferred))
+    step, optimizer, params, batch, (pspecs, bspecs) = problem("mlp", "1f1b", 4)
+    compiled = jp.mpmd_jit_with_loop(step, mpmd_mesh=mpmd_mesh(2, 1),
+                                     in_shardings=(None, pspecs, bspecs)).compile(
+        optimizer.init(params), params, batch)
+    exes = {id(e): (g, n) for g, group in enumerate(compiled.plan.exes) for n, e in group.items()}
+    assert compiled._unreduced  # some families are deferred
+    assert set(counts) == set(exes), sorted(exes[k] for k in set(exes) - set(counts))
+    assert max(counts.values()) == 1, sorted(exes[k] for k, c in counts.items() if c > 1)
+
+
+def test_a_family_refused_after_its_first_variant_is_reduced_per_microbatch(monkeypatch):
+    """A deferred family one of whose later variants Explicit mode refuses falls back
+    whole to per-microbatch reduction: its variants compiled so far are dropped and
+    compiled as usual, and the step still matches jax.jit."""
+    from jaxpp_mpi._src.compiler import deferred
+
+    compile_variant = deferred.compile_variant
+
+    def refusing(exe, *args, **kwargs):
+        if exe.family == "B1" and not deferred.first_variant(exe):
+            raise TypeError("refused (test)")
+        return compile_variant(exe, *args, **kwargs)
+
+    monkeypatch.setattr(deferred, "compile_variant", refusing)
+    step, optimizer, params, batch, (pspecs, bspecs) = problem("mlp", "1f1b", 4)
+    f = jp.mpmd_jit_with_loop(step, mpmd_mesh=mpmd_mesh(2, 1),
+                              in_shardings=(None, pspecs, bspecs), donate_argnums=(0, 1))
+    reference = run_steps(jax.jit(step), optimizer.init(params), params, batch)
+    got = run_steps(f, optimizer.init(params), params, batch)
+    assert assert_close_to_reference(reference, got) > 0
+    compiled = next(iter(f._cache.values()))
+    families = {name[:2] for _, name in compiled._unreduced}
+    assert families == {"B0"}, sorted(compiled._unreduced)
+    b1 = [n for n in compiled.cost_analysis()[1]["per_executable"] if n.startswith("B1")]
+    assert all(" all-reduce(" in compiled.as_text(1, n) for n in b1), b1

@@ -22,19 +22,24 @@ Note: deferred reduction.
   operand gets it reduced first (the all-reduce XLA would have placed there), and each
   result is resharded to its layout at the end (`conform`).
 
-  Which states to defer is decided per state by tracing its `_first` variant (no XLA
-  compile): a state whose value comes out unreduced over axes its layout does not shard
-  is deferred over those axes; then every variant of the family is lowered with those
-  layouts (lowering checks more than tracing). A state whose value is already reduced
-  (nothing to defer), and every state of a family whose replay or lowering fails (an
-  operation Explicit mode refuses, e.g. a scatter-add with batch-sharded updates),
-  keeps today's per-microbatch reduction: deferral is an optimisation, never a new
-  failure. The result differs from per-microbatch reduction only in the order of
-  floating-point additions.
+  Which states to defer is decided during the layout pass (`Note: layouts` in
+  ir/layouts.py), which resolves a family's first variant before the others (they take
+  its states): `decide` traces that variant (no XLA compile) with its arguments' layouts,
+  and a state whose value comes out unreduced over axes its layout does not split is
+  deferred over those axes. Every variant of a deferred family is then compiled once,
+  the deferred way (`compile_variant`), its free results laid out as their Explicit
+  types say (mesh axes of size 1 left out), so no XLA layout choice has to be compiled
+  first. A state whose value is already reduced (nothing to defer), and every state of a
+  family whose tracing or compiling fails (an operation Explicit mode refuses, e.g. a
+  scatter-add with batch-sharded updates), keeps today's per-microbatch reduction: the
+  family's variants compiled so far are dropped and compiled as usual, for the layouts
+  they were given. Deferral is an optimisation, never a new failure. The result differs
+  from per-microbatch reduction only in the order of floating-point additions.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -43,9 +48,9 @@ import numpy as np
 from jax.extend import core as jex_core
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-__all__ = ["Unreduced", "axes_of", "compile_deferred", "conform", "eval_jaxpr",
-           "explicit_mesh", "is_explicit", "jaxpr_fun", "like", "plan_group", "reduced",
-           "unreduced_axes"]
+__all__ = ["Unreduced", "axes_of", "compile_deferred", "compile_variant", "conform", "decide",
+           "eval_jaxpr", "explicit_mesh", "first_variant", "is_explicit", "jaxpr_fun", "like",
+           "reduced", "unreduced_axes", "variant_unreduced"]
 
 # Higher-order primitives whose inner jaxpr `eval_jaxpr` runs in place (their semantics
 # when evaluated is their inner jaxpr's; differentiation rules are not needed here).
@@ -331,62 +336,98 @@ def _none(n: int) -> tuple[frozenset, ...]:
     return (frozenset(),) * n
 
 
-def plan_group(exes: dict[str, Any], exe_avals: dict[str, tuple], mesh: Mesh
-               ) -> dict[str, Unreduced]:
-    """Decides which `Add` states of one group to defer (`Note: deferred reduction`).
+def first_variant(exe: Any) -> bool:
+    """Whether `exe` is the variant of its family that makes the `Add` states (the first
+    microbatch's: it returns states and takes none)."""
+    return any(p is not None for p in exe.state_outs) and not any(
+        p is not None for p in exe.state_ins)
+
+
+def decide(exe: Any, ins: Sequence[Any], outs: Sequence[Any], fixed: Sequence[bool],
+           mesh: Mesh) -> tuple[frozenset, ...] | None:
+    """Whether to defer the `Add` states of `exe`'s family (`Note: deferred reduction`).
+
+    Traces `exe`, the family's first variant, on `mesh` with Explicit axes (no XLA
+    compile) with its arguments laid out as `ins` say.
 
     Args:
-      exes: the group's executables (`Exe`s; a family's variants share `family`).
-      exe_avals: name -> (input Avals, output Avals), with their layouts.
+      exe: the family's first variant (`first_variant`).
+      ins: its argument Avals, with their layouts.
+      outs: its result Avals; `fixed[j]`: whether result j's layout is already decided
+        (else its Explicit type decides it, as `compile_variant` lays it out).
       mesh: the group's mesh.
 
     Returns:
-      For each executable with a deferred state: what each input and output is
-      unreduced over (executables absent keep every value reduced).
+      Per state (in `exe.state_outs` order), the axes its value comes out unreduced over
+      beyond those its layout splits it over; None when there is nothing to defer or
+      Explicit mode refuses the executable.
     """
     em = explicit_mesh(mesh)
-    deferred: dict[str, list[frozenset]] = {}
-    for name, exe in exes.items():
-        if not any(p is not None for p in exe.state_outs) or any(
-                p is not None for p in exe.state_ins):
-            continue  # only a family's first variant is traced
-        ins, outs = exe_avals[name]
-        try:
-            with jax.set_mesh(em):
-                got = jax.eval_shape(exe.fn, *_structs(ins, _none(len(ins)), em))
-        except Exception:  # noqa: BLE001 -- Explicit mode refuses the step: not deferred
+    try:
+        with jax.set_mesh(em):
+            got = jax.eval_shape(exe.fn, *_structs(ins, _none(len(ins)), em))
+    except Exception:  # noqa: BLE001 -- Explicit mode refuses the step: not deferred
+        return None
+    per_state = []
+    for p in exe.state_outs:
+        if p is None:
+            per_state.append(frozenset())
             continue
-        per_state = []
-        for p in exe.state_outs:
-            spec_axes = {a for e in outs[p].spec for a in axes_of(e)}
-            per_state.append(unreduced_axes(got[p]) - spec_axes)
-        if any(per_state):
-            deferred[exe.family] = per_state
-    plans: dict[str, Unreduced] = {}
-    for name, exe in exes.items():
-        per_state = deferred.get(exe.family) if exe.family else None
-        if per_state is None:
-            continue
-        ins, outs = exe_avals[name]
-        in_u, out_u = list(_none(len(ins))), list(_none(len(outs)))
-        for u, p in zip(per_state, exe.state_ins):
-            if p is not None:
-                in_u[p] = u
-        for u, p in zip(per_state, exe.state_outs):
-            if p is not None:
-                out_u[p] = u
-        plans[name] = (tuple(in_u), tuple(out_u))
-    # Every variant of a family must replay, or none is deferred.
-    refused = set()
-    for name, u in plans.items():
-        ins, outs = exe_avals[name]
-        try:
-            jitted, in_s = _jitted(exes[name], ins, outs, u, em)
-            with jax.set_mesh(em):  # lowered, not only traced: lowering checks more
-                jitted.lower(*in_s)
-        except Exception:  # noqa: BLE001 -- as above
-            refused.add(exes[name].family)
-    return {name: u for name, u in plans.items() if exes[name].family not in refused}
+        spec = outs[p].spec if fixed[p] else _struct_spec(got[p])
+        per_state.append(unreduced_axes(got[p]) - {a for e in spec for a in axes_of(e)})
+    return tuple(per_state) if any(per_state) else None
+
+
+def variant_unreduced(exe: Any, num_ins: int, num_outs: int,
+                      per_state: Sequence[frozenset]) -> Unreduced:
+    """What each argument and result of `exe`, a variant of a deferred family, is
+    unreduced over: its state arguments and state results those of the family."""
+    in_u, out_u = list(_none(num_ins)), list(_none(num_outs))
+    for u, p in zip(per_state, exe.state_ins):
+        if p is not None:
+            in_u[p] = u
+    for u, p in zip(per_state, exe.state_outs):
+        if p is not None:
+            out_u[p] = u
+    return tuple(in_u), tuple(out_u)
+
+
+def compile_variant(exe: Any, ins: Sequence[Any], outs: Sequence[Any], fixed: Sequence[bool],
+                    unreduced: Unreduced, mesh: Mesh, *,
+                    compiler_options: dict[str, Any] | None = None
+                    ) -> tuple[jax.stages.Compiled, tuple[Any, ...]]:
+    """Compiles a variant of a deferred family for the layout pass (`Note: layouts`).
+
+    A result whose layout is not `fixed` takes the one its Explicit type has (traced
+    first; no XLA choice to wait for), so each variant is compiled once.
+
+    Returns:
+      The executable (`compile_deferred`) and the result Avals with their layouts.
+
+    Raises:
+      Whatever JAX raises where Explicit mode refuses the variant: the caller then
+      keeps the family's reduction per microbatch.
+    """
+    em = explicit_mesh(mesh)
+    with jax.set_mesh(em):
+        got = jax.eval_shape(exe.fn, *_structs(ins, unreduced[0], em))
+    outs = tuple(a if fixed[j] else dataclasses.replace(a, spec=_struct_spec(got[j]))
+                 for j, a in enumerate(outs))
+    return compile_deferred(exe, ins, outs, unreduced, mesh,
+                            compiler_options=compiler_options), outs
+
+
+def _struct_spec(x: jax.ShapeDtypeStruct) -> tuple[Any, ...]:
+    """The spec entries (program form: `Aval.spec`) of a traced result's Explicit type,
+    without mesh axes of size 1 (they split nothing; XLA's layouts leave them out too)."""
+    if x.sharding is None:
+        return ()
+    sizes = dict(x.sharding.mesh.shape)
+    entries = []
+    for e in x.sharding.spec.partitions:
+        kept = tuple(a for a in axes_of(e) if sizes[a] > 1)
+        entries.append(kept[0] if len(kept) == 1 else (kept or None))
+    return tuple(entries)
 
 
 def _jitted(exe: Any, in_avals: Sequence[Any], out_avals: Sequence[Any],
