@@ -385,15 +385,17 @@ def main() -> None:
         cost, p2p_rows = measure_message_cost(comm, act_bytes, max(10, 2 * args.repeats))
 
     # Compile everything first: the reference on rank 0, every schedule on both.
-    ref = None
+    ref, jit_flops = None, None
     if rank == 0:
         ref = jax.jit(reference_step(n)).lower(params, batch).compile()
         ref_loss, _ = jax.block_until_ready(ref(params, batch))
-    # jax.jit's FLOPs: one microbatch's forward + backward, times n (XLA's cost analysis
-    # counts the scan's loop body once).
-    one = jax.jit(jax.value_and_grad(partial(loss_fn, num_microbatches=n)))
-    one_flops = one.lower(params, jax.tree.map(lambda x: x[0], batch)).compile().cost_analysis()
-    jit_flops = n * float((one_flops[0] if isinstance(one_flops, list) else one_flops)["flops"])
+        # jax.jit's FLOPs: one microbatch's forward + backward, times n (XLA's cost
+        # analysis counts the scan's loop body once).
+        one = jax.jit(jax.value_and_grad(partial(loss_fn, num_microbatches=n)))
+        one_flops = one.lower(params, jax.tree.map(lambda x: x[0], batch)).compile()
+        counted = one_flops.cost_analysis()
+        jit_flops = n * float((counted[0] if isinstance(counted, list) else counted)["flops"])
+    jit_flops = comm.bcast(jit_flops, root=0)
     scheds, compiled = {}, {}
     for name in args.schedules:
         sched = schedule_by_name(name, 2)
