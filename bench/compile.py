@@ -60,6 +60,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--seq", type=int, default=32)
     p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--data-axis", type=int, default=1,
+                   help="devices per group (each rank's, forced on CPU): the batch's rows "
+                   "split over them, as examples/train.py --data-axis does; the jax.jit "
+                   "side stays on one device")
     p.add_argument("--out", default="bench/results/compile.json")
     p.add_argument("--profile", metavar="DIR", help="cProfile each rank (last repeat)")
     p.add_argument(
@@ -183,14 +187,21 @@ def run_mpmd(args: argparse.Namespace) -> None:
     from jaxpp_mpi.schedules import schedule_by_name
 
     mesh = jaxpp_mpi.make_mpmd_mesh(
-        (args.ranks, 1, 1),
+        (args.ranks, args.data_axis, 1),
         ("stage", "data", "model"),
         "stage",
     )
     comm, rank = mesh.comm, mesh.my_mpmd_axis_index
     sched = schedule_by_name(args.schedule, mesh.mpmd_dim)
     train_step, opt_state, params, batch = build(args, sched.num_stages, sched)
-    step = jaxpp_mpi.mpmd_jit_with_loop(train_step, mpmd_mesh=mesh, donate_argnums=(0, 1))
+    in_shardings = None
+    if args.data_axis > 1:  # as examples/train.py lays a data-parallel group out
+        from jax.sharding import PartitionSpec as P
+
+        rows = {k: P(None, "data") for k in batch}  # (microbatch, row, position)
+        in_shardings = (None, None, rows)
+    step = jaxpp_mpi.mpmd_jit_with_loop(train_step, mpmd_mesh=mesh, donate_argnums=(0, 1),
+                                        in_shardings=in_shardings)
     jax.block_until_ready((opt_state, params, batch))
     profile = os.path.join(args.profile, f"rank{rank}.prof") if args.profile else None
     comm.Barrier()
@@ -288,6 +299,8 @@ def _model_flags(args: argparse.Namespace) -> list[str]:
         str(args.seq),
         "--vocab",
         str(args.vocab),
+        "--data-axis",
+        str(args.data_axis),
     ]
 
 
@@ -318,6 +331,8 @@ def measure_mpmd(args, tmp: str, profile: str | None, tree: str = ROOT) -> dict[
     if profile:
         cmd += ["--profile", profile]
     env = _env()
+    if args.data_axis > 1:  # launch/jpprun adds its one-thread flags to these
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.data_axis}"
     if tree != ROOT:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [tree, env.get("PYTHONPATH")]))
     ranks = _run(cmd, env, result)["ranks"]
