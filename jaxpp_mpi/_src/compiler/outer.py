@@ -2,14 +2,18 @@
 
 Note: outer segments.
   Following the OuterHomes (`Note: outer homes`), group g runs:
-  - `pre`: every free eqn that runs on g, pre-loop or post-loop (a free eqn reads step
-    inputs only, so it can run before the loop), in step order;
+  - `pre`: every free eqn that runs on g and that the loop or another `pre` eqn reads
+    (a free eqn reads step inputs only, so it can run before the loop), in step order;
   - `post<l>` for l = 0, 1, ...: the homed eqns whose home is g at *level* l. An eqn's
     level is the largest over its operands of the producer's level, plus one when the
     producer is homed on another group (loop outputs and free values: level 0). Every
     cross-group edge rises a level, so the segments of all groups form no cycle: a
     global-norm clip is `post0` on each group (partial sums of squares), `post1` on
     one group (the total, the scale), `post2` on each (the scaled update).
+    A free eqn only g's post segments read runs in g's `post0` instead (when g has
+    one), in step order among its eqns: the part of an optimizer update that does not
+    need the gradients (Adam's moment decays, its bias corrections) then costs no
+    executable and no dispatch of its own.
   A value is named per group where it is replicated (free eqns) and once where it is
   homed (see `OuterNames`); a segment exports what another task or the step's result
   reads.
@@ -150,14 +154,9 @@ def outer_segments(
       `post<l>` segments by ascending level.
     """
     eqns = jaxpr.eqns
-    pre: list[Segment | None] = []
-    for g in range(num_groups):
-        mine = [e for k, e in enumerate(eqns)
-                if k != loop_index and k not in homes.homed and g in homes.eqn_groups.get(k, ())]
-        pre.append(_segment(g, "pre", mine, names) if mine else None)
     level: dict[int, int] = {}
     producer = {v: k for k, e in enumerate(eqns) for v in e.outvars if _is_var(v)}
-    by_level: dict[tuple[int, int], list] = {}
+    by_level: dict[tuple[int, int], list[int]] = {}
     for k in sorted(homes.homed):
         g = homes.eqn_groups[k][0]
         lvl = 0
@@ -166,11 +165,45 @@ def outer_segments(
             if p is not None and p in homes.homed:
                 lvl = max(lvl, level[p] + (homes.eqn_groups[p][0] != g))
         level[k] = lvl
-        by_level.setdefault((g, lvl), []).append(eqns[k])
+        by_level.setdefault((g, lvl), []).append(k)
+    readers: dict = {}
+    for j, e in enumerate(eqns):
+        for v in e.invars:
+            if _is_var(v):
+                readers.setdefault(v, []).append(j)
+    pre: list[Segment | None] = []
+    for g in range(num_groups):
+        mine = [k for k in range(len(eqns))
+                if k != loop_index and k not in homes.homed and g in homes.eqn_groups.get(k, ())]
+        sunk = _sunk(eqns, mine, g, homes, readers, loop_index) if (g, 0) in by_level else set()
+        if sunk:
+            by_level[(g, 0)] = sorted(by_level[(g, 0)] + sorted(sunk))
+        kept = [eqns[k] for k in mine if k not in sunk]
+        pre.append(_segment(g, "pre", kept, names) if kept else None)
     post: list[list[Segment]] = [[] for _ in range(num_groups)]
     for (g, lvl) in sorted(by_level, key=lambda x: (x[1], x[0])):
-        post[g].append(_segment(g, f"post{lvl}", by_level[(g, lvl)], names))
+        post[g].append(_segment(g, f"post{lvl}", [eqns[k] for k in by_level[(g, lvl)]], names))
     return pre, post
+
+
+def _sunk(eqns: list, free: list[int], g: int, homes: OuterHomes, readers: dict,
+          loop_index: int) -> set[int]:
+    """The free eqns of group `g` that only its post segments read (`Note: outer
+    segments`): not the loop, not a free eqn `g` runs in its `pre` (a step result they
+    make is exported by `post0`). Decided last eqn first, so a chain of such eqns sinks
+    whole."""
+    sunk: set[int] = set()
+    for k in reversed(free):
+        def stays(j: int) -> bool:
+            if j == loop_index:
+                return True
+            if j in homes.homed:
+                return False  # on g: a post segment; elsewhere: it reads its own copy
+            return g in homes.eqn_groups.get(j, ()) and j not in sunk
+        outs = [v for v in eqns[k].outvars if _is_var(v)]
+        if not any(stays(j) for v in outs for j in readers.get(v, ())):
+            sunk.add(k)
+    return sunk
 
 
 def segment_exports(seg: Segment, names: OuterNames, read: Collection[Value]) -> list:

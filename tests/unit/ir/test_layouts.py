@@ -170,7 +170,20 @@ def test_conflicting_fixed_layouts_are_named():
                       fixed_outputs={1: ("model",)})
 
 
-def _ranks(program: Program, num_groups: int, **kwargs) -> list:
+def by_rank():
+    """A `resolve` that gives a free result the spec of the first argument of its rank."""
+
+    def resolve(g, exe, ins, outs, fixed):
+        specs = []
+        for a, f in zip(outs, fixed):
+            like = [i.spec for i in ins if len(i.shape) == len(a.shape)]
+            specs.append(a.spec if f else (like[0] if like else ()))
+        return tuple(specs)
+
+    return resolve
+
+
+def _ranks(program: Program, num_groups: int, resolve=None, **kwargs) -> list:
     """Runs the pass as `num_groups` MPI ranks would (each resolves its own group's
     executables; an allgather after every sweep), in threads."""
     barrier = threading.Barrier(num_groups)
@@ -186,8 +199,8 @@ def _ranks(program: Program, num_groups: int, **kwargs) -> list:
             barrier.wait()
             return merged
 
-        results[r] = infer_layouts(program, stand_in(), local_groups={r}, exchange=exchange,
-                                   **kwargs)
+        results[r] = infer_layouts(program, resolve or stand_in(), local_groups={r},
+                                   exchange=exchange, **kwargs)
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in range(num_groups)]
     for t in threads:
@@ -201,11 +214,13 @@ def _ranks(program: Program, num_groups: int, **kwargs) -> list:
                                   "interleaved1f1b_s4_g2_m4"])
 def test_every_rank_reaches_the_same_program_as_one_process(name):
     text = (GOLDEN / f"{name}.txt").read_text()
-    # Split the first input of group 0 over "data", so layouts actually travel.
-    program = Program.parse(text.replace("  aval %1 float32[4,4]\n",
-                                         "  aval %1 float32[4,4]{data}\n", 1))
-    alone, alone_layouts = infer_layouts(program, stand_in(), local_groups={0, 1})
-    ranks = _ranks(program, 2)
+    # Split group 0's first weight over "data", and give a free result the layout of
+    # the first argument of its rank, so layouts travel through tasks and messages.
+    weight = {"interleaved1f1b_s4_g2_m4": 9}.get(name, 5)
+    program = Program.parse(text.replace(f"  aval %{weight} float32[4,4]\n",
+                                         f"  aval %{weight} float32[4,4]{{data}}\n", 1))
+    alone, alone_layouts = infer_layouts(program, by_rank(), local_groups={0, 1})
+    ranks = _ranks(program, 2, resolve=by_rank())
     for out, layouts in ranks:
         assert str(out) == str(alone) and layouts == alone_layouts
     assert str(alone) != str(program)  # something did change
