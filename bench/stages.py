@@ -19,7 +19,10 @@ Reported per schedule and stage (per microbatch, medians over the rounds):
 - `jit_ms`: the reference; `ratio` = tasks_ms / jit_ms: what splitting the stage's work
   into the schedule's tasks costs (or saves) on this device, messages and the pipeline's
   order aside;
-- `flops_ratio`: the tasks' XLA FLOPs over the reference's.
+- `flops_ratio`: the tasks' XLA FLOPs over the reference's;
+- `compile_s`: XLA compile seconds of the stage's executables the runtime compiles (a
+  `_first` variant it builds from its plain variant is left out), against the
+  reference's `jit_compile_s`.
 And per schedule, the stages' sums against the whole step's `jax.jit` over the microbatches.
 """
 
@@ -137,6 +140,7 @@ def main() -> None:
     import numpy as np
 
     from jaxpp_mpi._src.compiler.build import build_step
+    from jaxpp_mpi._src.compiler.loop_tasks import first_from_plain
     from jaxpp_mpi._src.ir.program import Run
 
     n = args.num_microbatches
@@ -158,8 +162,10 @@ def main() -> None:
             for k, (ename, exe) in enumerate(sorted(group_exes.items())):
                 ins, _ = plan.exe_avals[g][ename]
                 structs = [jax.ShapeDtypeStruct(a.shape, np.dtype(a.dtype)) for a in ins]
+                start = time.perf_counter()
                 compiled = jax.jit(exe.fn, donate_argnums=exe.donate_argnums).lower(
                     *structs).compile()
+                compile_s = time.perf_counter() - start
                 exes[name][g, ename] = {
                     "compiled": compiled,
                     "args": _arrays(ins, seed=k),
@@ -168,6 +174,9 @@ def main() -> None:
                     "kind": exe.family[0],
                     "runs": runs.count(ename),
                     "flops": _flops(compiled),
+                    "compile_s": compile_s,
+                    # built by the runtime from its plain variant (`Note: first variants`)
+                    "shared": first_from_plain(group_exes, plan.exe_avals[g], ename) is not None,
                     "ms": [],
                 }
         print(f"{name}: {len(exes[name])} executables compiled", flush=True)
@@ -185,9 +194,11 @@ def main() -> None:
             x = mb[0] if s == 0 else _arrays([mb[0]], seed=100 + s)[0]
             t = mb[1] if s == num_stages - 1 else _arrays([mb[0]], seed=200 + s)[0]
             fn = stage_reference(s, num_stages, n)
+            start = time.perf_counter()
             compiled = jax.jit(fn, donate_argnums=(0,)).lower(acc, ps, x, t).compile()
             refs[num_stages, s] = {"compiled": compiled, "args": [acc, ps, x, t],
-                                   "flops": _flops(compiled), "ms": []}
+                                   "flops": _flops(compiled), "ms": [],
+                                   "compile_s": time.perf_counter() - start}
 
     def run_ref(ref):
         acc, ps, x, t = ref["args"]
@@ -240,8 +251,11 @@ def main() -> None:
                 "jit_ms": jit_ms,
                 "ratio": tasks_ms / jit_ms,
                 "flops_ratio": flops / ref["flops"] if ref["flops"] else None,
+                "compile_s": sum(e["compile_s"] for _, e in mine if not e["shared"]),
+                "jit_compile_s": ref["compile_s"],
                 "executables": {f"{g}:{ename}": {"runs": e["runs"], "ms": float(np.median(e["ms"])),
-                                                 "flops": e["flops"]}
+                                                 "flops": e["flops"], "compile_s": e["compile_s"],
+                                                 "built_from_plain": e["shared"]}
                                 for (g, ename), e in exes[name].items() if e["stage"] == s},
             })
         results[name] = {
@@ -265,12 +279,13 @@ def main() -> None:
     write_json(args.out, result)
     print(f"device {result['device']}; whole step's jax.jit: {jit_mb_ms:.2f} ms per microbatch")
     print(f"{'schedule':<12} {'stage':>5} {'tasks':>8} {'jit':>8} {'ratio':>6} {'flops':>6}"
-          "  by kind")
+          f" {'compile':>8} {'jit':>6}  by kind")
     for name, r in results.items():
         for st in r["stages"]:
             kinds = " ".join(f"{k}={v:.2f}" for k, v in st["tasks_ms_by_kind"].items())
             print(f"{name:<12} {st['stage']:>5} {st['tasks_ms']:>8.2f} {st['jit_ms']:>8.2f} "
-                  f"{st['ratio']:>6.3f} {st['flops_ratio'] or 0:>6.3f}  {kinds}")
+                  f"{st['ratio']:>6.3f} {st['flops_ratio'] or 0:>6.3f} "
+                  f"{st['compile_s']:>7.2f}s {st['jit_compile_s']:>5.2f}s  {kinds}")
         print(f"{name:<12} {'all':>5} {r['tasks_ms']:>8.2f} {r['jit_stages_ms']:>8.2f} "
               f"{r['tasks_ms'] / r['jit_stages_ms']:>6.3f}         whole step's jit "
               f"{jit_mb_ms:.2f}: {r['tasks_ms'] / jit_mb_ms:.3f}")
