@@ -45,6 +45,7 @@ from jaxpp_mpi._src.compiler import deferred
 from jaxpp_mpi._src.compiler.build import StepPlan
 from jaxpp_mpi._src.compiler.loop_tasks import Exe, first_from_plain, key_struct
 from jaxpp_mpi._src.errors import CompileError
+from jaxpp_mpi._src.ir.instructions import program_spec
 from jaxpp_mpi._src.ir.layouts import LayoutError, donation_pairs, infer_layouts
 from jaxpp_mpi._src.ir.program import Aval, GroupProgram, Program, Run
 from jaxpp_mpi._src.mesh import MpmdMesh
@@ -106,16 +107,6 @@ def compile_exe(exe: Exe, in_avals: Sequence[Aval], out_avals: Sequence[Aval],
     jitted = jax.jit(exe.fn, in_shardings=in_sh, out_shardings=out_sh,
                      donate_argnums=exe.donate_argnums)
     return jitted.lower(*structs).compile(compiler_options or None)
-
-
-def _spec(spec: PartitionSpec) -> Spec:
-    """A compiled executable's PartitionSpec as program spec entries (`Aval.spec`)."""
-    entries = []
-    for e in spec:
-        if isinstance(e, tuple):
-            e = e[0] if len(e) == 1 else (e or None)
-        entries.append(e)
-    return tuple(entries)
 
 
 def _compile_failed(failed: list[int], messages: Sequence[str | None]) -> CompileError:
@@ -283,14 +274,14 @@ class MpmdCompiled:
     def _shared_variants(self, g: int) -> dict[str, tuple[str, Exe]]:
         """Group `g`'s `_first` variants to build from their plain variants (`Note: first
         variants` in compiler/loop_tasks.py): name -> (plain variant, identity fill).
-        Only executables the layout pass has not compiled, and none whose reduction is
-        deferred."""
+        Only executables the layout pass has not compiled (it compiles every one whose
+        reduction is deferred)."""
         plan, done = self.plan, self._executables[g]
-        fresh = lambda name: name not in done and (g, name) not in self._unreduced
         shared = {}
         for name in plan.exes[g]:
-            via = first_from_plain(plan.exes[g], plan.exe_avals[g], name) if fresh(name) else None
-            if via is not None and fresh(via[0]):
+            via = None if name in done else first_from_plain(plan.exes[g],
+                                                             plan.exe_avals[g], name)
+            if via is not None and via[0] not in done:
                 shared[name] = via
         return shared
 
@@ -345,13 +336,13 @@ class MpmdCompiled:
             mesh_of = self._auto_mesh(g)
             chosen = [compat.mesh_spec(sh, mesh_of) for sh in exe.output_shardings]
             if any(spec is None for spec in chosen):  # not a mesh layout: replicate it
-                outs = tuple(a if spec is None else dataclasses.replace(a, spec=_spec(spec))
+                outs = tuple(a if spec is None else dataclasses.replace(a, spec=program_spec(spec))
                              for a, spec in zip(outs, chosen))
                 exe = compile_exe(plan.exes[g][name], ins, outs, sharding,
                                   compiler_options=self._compiler_options)
                 chosen = [sh.spec for sh in exe.output_shardings]
             self._executables[g][name] = exe
-            return tuple(_spec(spec) for spec in chosen)
+            return tuple(program_spec(spec) for spec in chosen)
 
         exchange = None
         started = time.perf_counter()

@@ -48,6 +48,8 @@ import numpy as np
 from jax.extend import core as jex_core
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from jaxpp_mpi._src.ir.instructions import program_spec
+
 __all__ = ["Unreduced", "axes_of", "compile_deferred", "compile_variant", "conform", "decide",
            "eval_jaxpr", "explicit_mesh", "first_variant", "is_explicit", "jaxpr_fun", "like",
            "reduced", "unreduced_axes", "variant_unreduced"]
@@ -423,11 +425,8 @@ def _struct_spec(x: jax.ShapeDtypeStruct) -> tuple[Any, ...]:
     if x.sharding is None:
         return ()
     sizes = dict(x.sharding.mesh.shape)
-    entries = []
-    for e in x.sharding.spec.partitions:
-        kept = tuple(a for a in axes_of(e) if sizes[a] > 1)
-        entries.append(kept[0] if len(kept) == 1 else (kept or None))
-    return tuple(entries)
+    return program_spec(tuple(a for a in axes_of(e) if sizes[a] > 1)
+                        for e in x.sharding.spec.partitions)
 
 
 def _jitted(exe: Any, in_avals: Sequence[Any], out_avals: Sequence[Any],

@@ -20,6 +20,7 @@ __all__ = [
     "SendRecv",
     "SpecEntry",
     "parse_instr",
+    "program_spec",
 ]
 
 SpecEntry = Union[None, str, tuple[str, ...]]  # noqa: UP007 (a runtime alias)
@@ -50,6 +51,18 @@ def _spec_entry(entry: object) -> SpecEntry:
         if not isinstance(name, str) or not _NAME.fullmatch(name) or name == "_":
             raise ValueError(f"bad mesh axis name {name!r} in spec entry {entry!r}")
     return entry if isinstance(entry, str) else names
+
+
+def program_spec(entries: Iterable[object]) -> tuple[SpecEntry, ...]:
+    """Spec entries as the program writes them (`Aval.spec`), from entries as JAX's
+    `PartitionSpec` may spell them: a tuple of one axis name as that name, an empty
+    tuple as None."""
+    out = []
+    for e in entries:
+        if isinstance(e, tuple):
+            e = e[0] if len(e) == 1 else (e or None)
+        out.append(e)
+    return tuple(out)
 
 
 def _spec_entry_str(entry: SpecEntry) -> str:
