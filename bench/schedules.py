@@ -9,13 +9,19 @@ gradient accumulation over the microbatches, no optimizer; weights made by numpy
 fixed seed. 2 stages of 4 blocks (one per rank) or 4 stages of 2 blocks (two per rank).
 
 In one run, taking turns round by round (each round: every schedule once plain and once
-traced, in rotated order, and the reference once, on rank 0 while rank 1 waits):
+traced, in rotated order, then the reference on rank 0 while rank 1 waits, and the
+reference on both ranks at once, those two in alternating order):
 - `step_ms`: median pipelined step, barrier to barrier;
 - `jit_ms`: the same step as one `jax.jit` (`lax.scan` over microbatches) in one process
   with one compute thread (rank 0 of this job);
 - `ideal_ms` = jit_ms x makespan / (sum of busy time) of the schedule's own simulation
   (`analyze_schedule`, default task times F=1, B=2, I=W=1): the single-process work
   spread over the ranks, plus the schedule's bubble; `fraction` = ideal_ms / step_ms;
+- `jit_both_ranks_ms`: the same jax.jit step run by both ranks at once, each its own
+  copy, barrier to barrier; `corun_slowdown` = jit_both_ranks_ms / jit_ms: how much
+  slower one core computes while the other computes too (shared memory bandwidth and
+  cache), which a pipeline's ranks always do; `ideal_corun_ms` and
+  `fraction_of_ideal_corun`: ideal and fraction taken from that time instead;
 - `predicted_ms`: the simulator's makespan of the lowered program with posted sends
   (what the CPU runtime does, `Note: posted sends`; blocking sends for the `--chained`
   contenders, which run with JAXPP_MPI_POSTED_SENDS=0), every message at the measured
@@ -384,11 +390,12 @@ def main() -> None:
     else:
         cost, p2p_rows = measure_message_cost(comm, act_bytes, max(10, 2 * args.repeats))
 
-    # Compile everything first: the reference on rank 0, every schedule on both.
-    ref, jit_flops = None, None
+    # Compile everything first: the reference on both ranks (rank 0 alone times it, both
+    # at once time it too: see `Co-run` below), every schedule on both.
+    ref = jax.jit(reference_step(n)).lower(params, batch).compile()
+    ref_loss, _ = jax.block_until_ready(ref(params, batch))
+    jit_flops = None
     if rank == 0:
-        ref = jax.jit(reference_step(n)).lower(params, batch).compile()
-        ref_loss, _ = jax.block_until_ready(ref(params, batch))
         # jax.jit's FLOPs: one microbatch's forward + backward, times n (XLA's cost
         # analysis counts the scan's loop body once).
         one = jax.jit(jax.value_and_grad(partial(loss_fn, num_microbatches=n)))
@@ -439,6 +446,9 @@ def main() -> None:
     def run_reference():
         if rank == 0:
             jax.block_until_ready(ref(params, batch))
+
+    def run_reference_both():
+        jax.block_until_ready(ref(params, batch))
 
     def warm_loss(name) -> float:
         """Two warm-up steps of `name`; the second's loss, the same on every rank."""
@@ -496,6 +506,7 @@ def main() -> None:
     parts: dict[str, list[dict[str, float]]] = {name: [] for name in args.schedules}
     last_events: dict[str, list] = {}
     jit_times: list[float] = []
+    jit_both: list[float] = []
     for r in range(args.repeats):
         k = r % len(args.schedules)
         for name in args.schedules[k:] + args.schedules[:k]:
@@ -523,8 +534,15 @@ def main() -> None:
             task_rounds[name].append(this_round)
             parts[name].append(breakdown(events, traced_ms, done[0], cost))
             last_events[name] = events
-        jit_times.append(timed(run_reference))
+        # Co-run: the whole step on both ranks at once, each its own copy. A pipeline's
+        # two ranks compute at the same time; on a machine whose cores share memory
+        # bandwidth and cache, each then runs slower than one process alone.
+        for reference, out in ((run_reference, jit_times), (run_reference_both, jit_both))[
+            :: 1 if r % 2 == 0 else -1
+        ]:
+            out.append(timed(reference))
     jit_ms = float(np.median(jit_times))
+    jit_both_ms = float(np.median(jit_both))
 
     results = {}
     for name in args.schedules:
@@ -581,6 +599,8 @@ def main() -> None:
             "ideal_factor": factor,
             "ideal_ms": ideal_ms,
             "fraction_of_ideal": ideal_ms / step_ms,
+            "ideal_corun_ms": jit_both_ms * factor,
+            "fraction_of_ideal_corun": jit_both_ms * factor / step_ms,
             "sends": sends,
             "predicted_ms": float(np.median(round_predicted)),
             "predicted_ms_all": round_predicted,
@@ -615,19 +635,23 @@ def main() -> None:
             "repeats": args.repeats,
             "jit_ms": jit_ms,
             "jit_ms_all": jit_times,
+            "jit_both_ranks_ms": jit_both_ms,
+            "jit_both_ranks_ms_all": jit_both,
+            "corun_slowdown": jit_both_ms / jit_ms,
             "message_cost": {"latency_ms": cost.latency, "bytes_per_ms": cost.bandwidth},
             "p2p_rows": p2p_rows,
             "schedules": results,
         }
         write_json(args.out, result)
         print(
-            f"jax.jit (1 thread): {jit_ms:.1f} ms; message model {cost.latency * 1e3:.1f} us"
+            f"jax.jit (1 thread): {jit_ms:.1f} ms alone, {jit_both_ms:.1f} ms on both ranks at "
+            f"once; message model {cost.latency * 1e3:.1f} us"
             f" + bytes / {cost.bandwidth / 1e6:.2f} GB/s",
             flush=True,
         )
         print(
             f"{'schedule':<26} {'step':>8} {'ideal':>8} {'frac':>5} {'pred':>8} "
-            f"{'ovh':>5} {'sched':>8} {'bound':>8} {'best':>5}  per rank: "
+            f"{'ovh':>5} {'sched':>8} {'bound':>8} {'best':>5} {'co':>5}  per rank: "
             "compute/wait/other/idle_end ms (traced step)"
         )
         for name, r in results.items():
@@ -639,7 +663,7 @@ def main() -> None:
                 f"{name:<26} {r['step_ms']:>8.1f} {r['ideal_ms']:>8.1f} "
                 f"{r['fraction_of_ideal']:>5.2f} {r['predicted_ms']:>8.1f} "
                 f"{r['overhead']:>5.2f} {r['schedule_ms']:>8.1f} {r['bound_ms']:>8.1f} "
-                f"{r['fraction_at_bound']:>5.2f}  {parts}",
+                f"{r['fraction_at_bound']:>5.2f} {r['fraction_of_ideal_corun']:>5.2f}  {parts}",
                 flush=True,
             )
         print(f"wrote {args.out}", flush=True)
