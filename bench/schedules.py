@@ -249,11 +249,20 @@ def schedule_makespan(sched, n: int, task_ms: dict[str, float], message_ms: floa
     other); a task starts when its group is free and its inputs exist (FWD(s, m) needs
     FWD(s-1, m); BWD / BWD_I (s, m) need FWD(s, m) and BWD / BWD_I (s+1, m); BWD_W needs
     BWD_I), an input from another group `message_ms` after it was made. A task the
-    compiler emits no Run for (BWD_I of the first stage) takes 0. This is what the
+    compiler emits no Run for (BWD_I of the first stage) takes 0. A task the compiler
+    runs fused with the next one (`F7s1+B7s1`, `Note: back-to-back tasks` in
+    compiler/loop_tasks.py) puts the whole time on its first part: the parts run back to
+    back on one group and nothing but the second reads the first. This is what the
     schedule promises with these task times; the lowered program's prediction
     (`simulate`) can only be later where the program waits where the schedule does not.
     """
     from jaxpp_mpi.schedules import TaskType
+
+    task_ms = dict(task_ms)
+    for label, t in list(task_ms.items()):
+        first, *rest = label.split("+")
+        if rest:
+            task_ms.update({first: t, **{part: 0.0 for part in rest}})
 
     tasks = sched.tasks(n)
     parts = [[t for e in row for t in (e if isinstance(e, tuple) else (e,))] for row in tasks]

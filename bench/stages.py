@@ -170,8 +170,10 @@ def main() -> None:
                     "compiled": compiled,
                     "args": _arrays(ins, seed=k),
                     "donated": tuple(exe.donate_argnums),
-                    "stage": int(exe.family[1:]),
-                    "kind": exe.family[0],
+                    # a family is its kinds and its stage: 'B1', or 'FB1' for a fused
+                    # pair (`Note: back-to-back tasks` in compiler/loop_tasks.py)
+                    "stage": int(exe.family.lstrip("FBIW")),
+                    "kind": exe.family.rstrip("0123456789"),
                     "runs": runs.count(ename),
                     "flops": _flops(compiled),
                     "compile_s": compile_s,

@@ -8,6 +8,8 @@ transformer is examples/train.py's, imported from it.
 
 from __future__ import annotations
 
+import math
+import re
 import sys
 from functools import partial
 from pathlib import Path
@@ -157,6 +159,18 @@ def random_array(seed: int, shape, dtype) -> np.ndarray:
     width = np.dtype(jnp.dtype(dtype)).itemsize
     raw = np.random.default_rng(seed).integers(0, 2 ** (8 * width), shape, dtype=np.uint64)
     return raw.astype(f"u{width}").view(jnp.dtype(dtype))
+
+
+def all_reduced(hlo: str) -> int:
+    """Elements all-reduced by one run of an optimized HLO text (XLA combines several
+    all-reduces into one of a tuple, so the ops alone do not count the values)."""
+    total = 0
+    for line in hlo.splitlines():
+        if " all-reduce(" in line:
+            result = line.split(" all-reduce(")[0].split("=", 1)[1]
+            for dims in re.findall(r"\[([\d,]*)\]", result):
+                total += math.prod(int(d) for d in dims.split(",") if d)
+    return total
 
 
 def bits(x) -> np.ndarray:

@@ -121,7 +121,9 @@ def test_stall_in_one_replica_ends_the_whole_job_within_the_deadline():
     lines = [ln for ln in out.splitlines() if "jaxpp_mpi watchdog: step 1 " in ln]
     by_rank = {ln.split("]")[0] + "]": ln for ln in lines}
     assert set(by_rank) == {f"[rank {r}]" for r in range(4)}, out
-    assert "blocked in task F0s1 (forward, microbatch 0, stage 1)" in by_rank["[rank 3]"], out
+    # the last stage runs its F and B as one task (`Note: back-to-back tasks`)
+    assert ("blocked in task F0s1+B0s1 (forward, microbatch 0, stage 1; backward, "
+            "microbatch 0, stage 1)") in by_rank["[rank 3]"], out
     assert any("across the pipeline replicas" in by_rank[f"[rank {r}]"] for r in (0, 1)), out
     assert "finished" not in out, out
     assert not _still_running(tag)

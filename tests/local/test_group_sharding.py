@@ -19,6 +19,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from models import (
     SCHEDULES,
+    all_reduced,
     assert_close_to_reference,
     make_step,
     megatron_specs,
@@ -144,16 +145,18 @@ def test_model_split_weights_stay_split_after_three_steps():
     np.testing.assert_array_equal(np.asarray(w0.first_mpmd_replica).shape, (16, 16))
 
 
-def all_reduces_per_step(compiled, group: int) -> dict[str, int]:
-    """Per executable kind of `group`'s program (F, B, ...), the all-reduces one step
-    runs: each executable's optimized HLO count times the runs of it in the program."""
+def all_reduced_per_step(compiled, group: int) -> dict[str, int]:
+    """Per executable kind of `group`'s program (F, B, FB for a fused pair: `Note:
+    back-to-back tasks`; '' outside the loop), the elements all-reduced in one step:
+    each executable's `all_reduced` times the runs of it in the program."""
     from jaxpp_mpi._src.ir.program import Run
 
     counts: dict[str, int] = {}
     for instr in compiled.program(group).instrs:
         if isinstance(instr, Run):
-            n = compiled.as_text(group, instr.exe).count(" all-reduce(")
-            counts[instr.exe[0]] = counts.get(instr.exe[0], 0) + n
+            n = all_reduced(compiled.as_text(group, instr.exe))
+            kind = compiled.plan.exes[group][instr.exe].family.rstrip("0123456789")
+            counts[kind] = counts.get(kind, 0) + n
     return counts
 
 
@@ -169,15 +172,22 @@ def test_data_parallel_gradients_are_reduced_once_per_step():
     """`Note: deferred reduction`: the weight gradients of a data=2 group are summed
     per device over the microbatches and all-reduced once, after the stage's last
     backward; so a step's backward all-reduces do not grow with the microbatch count
-    (per microbatch they would: 2 -> 4 microbatches doubles them)."""
-    for g in range(2):
-        two = all_reduces_per_step(data_parallel(2), g)
-        four = all_reduces_per_step(data_parallel(4), g)
-        assert four["B"] == two["B"] >= 1, (g, two, four)
-        compiled = data_parallel(4)
-        backward = [n for n in compiled.cost_analysis()[g]["per_executable"] if n[0] == "B"]
-        reducing = [n for n in backward if " all-reduce(" in compiled.as_text(g, n)]
-        assert reducing == [f"B{g}_last"], (g, backward, reducing)
+    (per microbatch they would: 2 -> 4 microbatches doubles them). Group 1 runs its F
+    and B as one task (`Note: back-to-back tasks`): there every variant also holds the
+    forward's own all-reduces of the loss and its aux (rows split over "data"), which
+    do run once per microbatch; only `_last` adds the gradients'."""
+    compiled = data_parallel(4)
+    weights = 16 * 16 + 16  # one stage's w and b (the MLP of `problem`)
+    for g, kind in enumerate(("B", "FB")):
+        family = f"{kind}{g}"
+        count = lambda name: all_reduced(compiled.as_text(g, name))  # noqa: B023
+        forward = count(family)  # the plain variant: no gradient all-reduce
+        assert forward == (0 if kind == "B" else 2), g  # the loss's sum, the aux's max
+        assert count(f"{family}_first") == forward, g
+        assert count(f"{family}_last") == forward + weights, g
+        two = all_reduced_per_step(data_parallel(2), g)
+        four = all_reduced_per_step(data_parallel(4), g)
+        assert four[kind] - two[kind] == 2 * forward, (g, two, four)
 
 
 def test_each_executable_is_compiled_once(monkeypatch):
@@ -218,7 +228,7 @@ def test_a_family_refused_after_its_first_variant_is_reduced_per_microbatch(monk
     compile_variant = deferred.compile_variant
 
     def refusing(exe, *args, **kwargs):
-        if exe.family == "B1" and not deferred.first_variant(exe):
+        if exe.family == "FB1" and not deferred.first_variant(exe):
             raise TypeError("refused (test)")
         return compile_variant(exe, *args, **kwargs)
 
@@ -230,7 +240,7 @@ def test_a_family_refused_after_its_first_variant_is_reduced_per_microbatch(monk
     got = run_steps(f, optimizer.init(params), params, batch)
     assert assert_close_to_reference(reference, got) > 0
     compiled = next(iter(f._cache.values()))
-    families = {name[:2] for _, name in compiled._unreduced}
+    families = {name.split("_")[0] for _, name in compiled._unreduced}
     assert families == {"B0"}, sorted(compiled._unreduced)
-    b1 = [n for n in compiled.cost_analysis()[1]["per_executable"] if n.startswith("B1")]
+    b1 = [n for n in compiled.cost_analysis()[1]["per_executable"] if n.startswith("FB1")]
     assert all(" all-reduce(" in compiled.as_text(1, n) for n in b1), b1

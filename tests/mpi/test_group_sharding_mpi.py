@@ -17,7 +17,14 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-from models import assert_close_to_reference, make_step, megatron_specs, mlp, run_steps
+from models import (
+    all_reduced,
+    assert_close_to_reference,
+    make_step,
+    megatron_specs,
+    mlp,
+    run_steps,
+)
 from models import schedule as named_schedule
 from mpi4py import MPI
 
@@ -94,13 +101,15 @@ def test_sharded_groups_per_device_flops_match_jax_jit(axis):
 @pytest.mark.mpi(min_size=2)
 def test_sharded_groups_reduce_data_parallel_gradients_once_per_step():
     """`Note: deferred reduction` under MPI: on each rank's data=K group, of the
-    backward executables only the last microbatch's all-reduces (the gradient sums are
-    carried unreduced until then)."""
+    backward executables only the last microbatch's all-reduces the gradients (their
+    sums are carried unreduced until then). The last rank runs its F and B as one
+    (`Note: back-to-back tasks`), whose every variant also all-reduces the loss."""
     step, optimizer, params, batch, (pspecs, bspecs) = problem("1f1b", 2 * SIZE)
     compiled = jaxpp_mpi.mpmd_jit_with_loop(
         step, mpmd_mesh=mpmd_mesh("data"), in_shardings=(None, pspecs, bspecs)
     ).compile(optimizer.init(params), params, batch)
-    backward = sorted(n for n in compiled.cost_analysis()[RANK]["per_executable"]
-                      if n.startswith("B"))
-    reducing = [n for n in backward if " all-reduce(" in compiled.as_text(RANK, n)]
-    _everywhere(reducing == [f"B{RANK}_last"], f"rank {RANK}: {backward}, {reducing}")
+    family = f"FB{RANK}" if RANK == SIZE - 1 else f"B{RANK}"
+    count = {v: all_reduced(compiled.as_text(RANK, family + v)) for v in ("", "_first", "_last")}
+    forward = 0 if family[0] == "B" else count[""]
+    _everywhere(count[""] == count["_first"] == forward < count["_last"],
+                f"rank {RANK}: {family} all-reduces {count} elements")

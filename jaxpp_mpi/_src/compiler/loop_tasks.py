@@ -19,6 +19,20 @@ Note: loop tasks.
   its last microbatch: the one that reduces a data-parallel gradient sum carried
   unreduced until then (`Note: deferred reduction` in compiler/deferred.py).
 
+Note: back-to-back tasks.
+  Where a group's schedule runs a stage's FWD of every microbatch immediately followed
+  by that stage's backward (BWD, or BWD_I for a split backward) of the same microbatch,
+  and nothing but that backward reads what the FWD makes (the last stage under 1F1B,
+  Eager1F1B, Interleaved1F1B and ZeroBubble: its forward ends in the loss), the two run
+  as one task, labelled like a fused schedule entry (`F3s1+B3s1`), with one executable
+  family (`FB1`; `split.fuse_tasks`). The residuals the backward reads stay inside one
+  executable instead of being written out and read back, the group dispatches one call
+  per microbatch instead of two, and XLA compiles one module instead of two (the
+  forward with its residuals as outputs compiles about as slowly as the whole fused
+  forward-backward: `bench/README.md`). The order is the schedule's, unchanged. A pair
+  that is back to back for only some microbatches (GPipe's turn) is left apart: fusing
+  those would add a third executable to compile.
+
 Note: first variants.
   A task's `_first` variant computes what its plain variant computes from states that
   hold the identity of each reduction: `Add` -0.0 (IEEE's additive identity: -0.0 + x is
@@ -63,7 +77,7 @@ from jax.extend import core as jex_core
 
 from jaxpp_mpi._src.compiler import deferred
 from jaxpp_mpi._src.compiler.homes import LoopHomes
-from jaxpp_mpi._src.compiler.split import SplitBody, TaskJaxpr, TaskKey
+from jaxpp_mpi._src.compiler.split import SplitBody, TaskJaxpr, TaskKey, fuse_tasks
 from jaxpp_mpi._src.compiler.task_graph import TaskNode, Value
 from jaxpp_mpi._src.errors import CompileError
 from jaxpp_mpi._src.ir.program import Aval
@@ -295,6 +309,32 @@ def _schedule_order(
     return order
 
 
+def _back_to_back(split: SplitBody, order: Sequence[Sequence[tuple[TaskKey, int]]],
+                  read_by: Mapping[str, set[TaskKey]], stage_group: Sequence[int]
+                  ) -> dict[TaskKey, TaskKey]:
+    """FWD key -> the backward key it fuses with (`Note: back-to-back tasks`)."""
+    by_key = {t.key: t for t in split.tasks}
+    pairs = {}
+    for g, group_order in enumerate(order):
+        for a in dict.fromkeys(key for key, _ in group_order if key[0] is TaskType.FWD):
+            b = next(((kind, a[1]) for kind in (TaskType.BWD, TaskType.BWD_I)
+                      if (kind, a[1]) in by_key), None)
+            if b is None:
+                continue
+            at = [i for i, (key, _) in enumerate(group_order) if key == a]
+            if any(i + 1 == len(group_order) or group_order[i + 1] != (b, group_order[i][1])
+                   for i in at):
+                continue
+            readers = {r for name in by_key[a].outs for r in read_by.get(name, ())}
+            if any(stage_group[r[1]] != g for r in readers):
+                continue  # another group waits for the forward's values: no delay
+            own = set(by_key[a].ins) | {("val", name) for name in by_key[a].outs}
+            if any(ref[0] == "val" and ref not in own for ref in by_key[b].ins):
+                continue  # the backward would make the forward wait for a message
+            pairs[a] = b
+    return pairs
+
+
 def _first_state(op: Op, n: int, v, i):
     if isinstance(op, Concat):
         aval = op.result_aval(n, jax.core.ShapedArray(jnp.shape(v), jnp.result_type(v)))
@@ -441,11 +481,24 @@ def build_loop_tasks(
     length = n if state_length is None else state_length
     num_groups = 1 + max(homes.stage_group)
     order = _schedule_order(split, schedule, n, homes.stage_group)
-    by_key = {t.key: t for t in split.tasks}
-    read_by_tasks = {ref[1] for t in split.tasks for ref in t.ins if ref[0] == "val"}
+    read_by: dict[str, set[TaskKey]] = {}
+    for t in split.tasks:
+        for ref in t.ins:
+            if ref[0] == "val":
+                read_by.setdefault(ref[1], set()).add(t.key)
     hosted: dict[TaskKey, list[int]] = {}
     for k, key in enumerate(homes.host):
         hosted.setdefault(key, []).append(k)
+    by_key = {t.key: t for t in split.tasks}
+    fused = _back_to_back(split, order, read_by, homes.stage_group)
+    for a, b in fused.items():  # Note: back-to-back tasks
+        keep = {name for name in by_key[a].outs if read_by.get(name, set()) - {b}}
+        keep |= {split.body_outputs[k][1] for k in hosted.get(a, [])
+                 if split.body_outputs[k][0] == "val"}
+        by_key[a] = fuse_tasks(by_key[a], by_key.pop(b), keep)
+        hosted[a] = hosted.get(a, []) + hosted.pop(b, [])
+        order = [[(key, m) for key, m in group_order if key != b] for group_order in order]
+    read_by_tasks = {ref[1] for t in by_key.values() for ref in t.ins if ref[0] == "val"}
     result = LoopTasks([[] for _ in range(num_groups)], [{} for _ in range(num_groups)], {}, {})
     for name, aval in split.value_avals.items():
         for m in range(n):
@@ -484,7 +537,9 @@ def build_loop_tasks(
             first = bool(ks) and runs[key][0] == m
             last = bool(ks) and runs[key][-1] == m
             adds = [j for j, op in enumerate(k_ops) if isinstance(op, Add)] if defer else []
-            family = f"{kind.value}{stage}"
+            parts = [Task(stage, m, kind)] + ([Task(stage, m, fused[key][0])]
+                                              if key in fused else [])
+            family = "".join(p.type.value for p in parts) + str(stage)
             exe = family + ("_first" if first else "_last" if last and adds else "")
             ins = [mb_value(m, g) if ref[0] == "mb" else inv_value(ref[1], g)
                    if ref[0] == "inv" else f"{ref[1]}@{m}" for ref in task.ins]
@@ -497,7 +552,8 @@ def build_loop_tasks(
             for k, v in zip(ks, states_out):
                 result.avals[v] = acc_avals[k]
             result.tasks[g].append(TaskNode(
-                task_label(Task(stage, m, kind)), g, exe, (*ins, *states_in),
+                task_label(tuple(parts) if len(parts) > 1 else parts[0]), g, exe,
+                (*ins, *states_in),
                 (*(f"{task.outs[j]}@{m}" for j in export), *states_out),
                 donate=tuple(states_in),
             ))

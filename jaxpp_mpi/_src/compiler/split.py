@@ -37,7 +37,8 @@ from jaxpp_mpi._src.errors import CompileError
 from jaxpp_mpi._src.schedules.tasks import TaskType
 from jaxpp_mpi._src.stage_marks import is_stage_end
 
-__all__ = ["SplitBody", "SplitError", "TaskJaxpr", "TaskKey", "ValueRef", "split_body"]
+__all__ = ["SplitBody", "SplitError", "TaskJaxpr", "TaskKey", "ValueRef", "fuse_tasks",
+           "split_body"]
 
 # The task kinds are the schedules' (`schedules/tasks.py`); short local names.
 FWD, BWD, BWD_I, BWD_W = TaskType.FWD, TaskType.BWD, TaskType.BWD_I, TaskType.BWD_W
@@ -357,3 +358,38 @@ def _build_tasks(jaxpr, eqns, where, num_stages: int) -> SplitBody:
 def _closed(invars: Sequence, outvars: Sequence, eqns: Sequence, name: str
             ) -> jex_core.ClosedJaxpr:
     return jex_core.ClosedJaxpr(new_jaxpr(invars, outvars, eqns, name=name), [])
+
+
+def fuse_tasks(a: TaskJaxpr, b: TaskJaxpr, keep: Sequence[str]) -> TaskJaxpr:
+    """Task `a` then task `b` of the same microbatch as one task (`Note: back-to-back
+    tasks` in compiler/loop_tasks.py).
+
+    The values `a` makes for `b` stay inside; `a` exports only the values named in
+    `keep`, then `b` exports all of its own. Both jaxprs use the body's variables, so
+    the fused jaxpr is `a`'s eqns followed by those of `b` that `a` does not already
+    hold (free eqns are copied into every task that reads them).
+
+    Args:
+      a: the first task.
+      b: the second; it may read `a`'s values, never the other way round.
+      keep: names among `a.outs` that the fused task still exports (read by another
+        task, or a body output).
+
+    Returns:
+      A TaskJaxpr with `a`'s key.
+    """
+    ja, jb = a.jaxpr.jaxpr, b.jaxpr.jaxpr
+    held = {id(e) for e in ja.eqns}
+    eqns = list(ja.eqns) + [e for e in jb.eqns if id(e) not in held]
+    defined = {v for e in eqns for v in e.outvars}
+    ins, refs = list(ja.invars), list(a.ins)
+    for v, ref in zip(jb.invars, b.ins):
+        if v not in defined and v not in ins:
+            ins.append(v)
+            refs.append(ref)
+    kept = [(v, name) for v, name in zip(ja.outvars, a.outs) if name in keep]
+    outs = kept + list(zip(jb.outvars, b.outs))
+    name = f"task {a.key[0].value}{a.key[1]}+{b.key[0].value}{b.key[1]}"
+    closed = _closed(ins, [v for v, _ in outs], eqns, name)
+    return TaskJaxpr(a.key, closed, tuple(refs), tuple(n for _, n in outs))
+

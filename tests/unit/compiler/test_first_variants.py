@@ -138,7 +138,7 @@ def test_one_microbatch_has_no_plain_variant_to_share():
 
 def test_fill_holds_the_identities():
     plan = _plan("1f1b", 2)
-    exes, avals = plan.exes[1], plan.exe_avals[1]
+    exes, avals = plan.exes[0], plan.exe_avals[0]
     name = next(n for n in exes if n.startswith("B") and n.endswith("_first"))
     _, fill = first_from_plain(exes, avals, name)
     for state, value in zip(fill.fn(), exes[name].first_fills):
