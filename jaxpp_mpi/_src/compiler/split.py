@@ -365,9 +365,10 @@ def fuse_tasks(a: TaskJaxpr, b: TaskJaxpr, keep: Sequence[str]) -> TaskJaxpr:
     tasks` in compiler/loop_tasks.py).
 
     The values `a` makes for `b` stay inside; `a` exports only the values named in
-    `keep`, then `b` exports all of its own. Both jaxprs use the body's variables, so
-    the fused jaxpr is `a`'s eqns followed by those of `b` that `a` does not already
-    hold (free eqns are copied into every task that reads them).
+    `keep`, then `b` exports all of its own. `b`'s inputs are matched to `a`'s by the
+    value they are (`ValueRef`), not by variable: a pass may have rebuilt one task's
+    jaxpr (`replicas.localize_split`). An eqn both tasks hold (free eqns are copied into
+    every task that reads them) runs once.
 
     Args:
       a: the first task.
@@ -379,17 +380,28 @@ def fuse_tasks(a: TaskJaxpr, b: TaskJaxpr, keep: Sequence[str]) -> TaskJaxpr:
       A TaskJaxpr with `a`'s key.
     """
     ja, jb = a.jaxpr.jaxpr, b.jaxpr.jaxpr
-    held = {id(e) for e in ja.eqns}
-    eqns = list(ja.eqns) + [e for e in jb.eqns if id(e) not in held]
-    defined = {v for e in eqns for v in e.outvars}
-    ins, refs = list(ja.invars), list(a.ins)
+    made = dict(zip(a.outs, ja.outvars))
+    read = dict(zip(a.ins, ja.invars))
+    ins, refs, sub = list(ja.invars), list(a.ins), {}
     for v, ref in zip(jb.invars, b.ins):
-        if v not in defined and v not in ins:
+        if ref[0] == "val" and ref[1] in made:
+            sub[v] = made[ref[1]]
+        elif ref in read:
+            sub[v] = read[ref]
+        else:
             ins.append(v)
             refs.append(ref)
+    eqns = list(ja.eqns)
+    defined = {v for e in eqns for v in e.outvars}
+    for e in jb.eqns:
+        if e.outvars and all(v in defined for v in e.outvars):
+            continue  # `a` holds this eqn too
+        if any(_is_var(x) and x in sub for x in e.invars):
+            e = e.replace(invars=[sub.get(x, x) if _is_var(x) else x for x in e.invars])
+        eqns.append(e)
     kept = [(v, name) for v, name in zip(ja.outvars, a.outs) if name in keep]
-    outs = kept + list(zip(jb.outvars, b.outs))
+    outs = kept + [(sub.get(v, v) if _is_var(v) else v, name)
+                   for v, name in zip(jb.outvars, b.outs)]
     name = f"task {a.key[0].value}{a.key[1]}+{b.key[0].value}{b.key[1]}"
     closed = _closed(ins, [v for v, _ in outs], eqns, name)
     return TaskJaxpr(a.key, closed, tuple(refs), tuple(n for _, n in outs))
-
