@@ -404,10 +404,12 @@ class MpmdCompiled:
         family = (g, exe.family)
         if not exe.family:
             return None
+        traced = None  # the first variant's results, traced by `decide`
         if family not in self._deferred_families:
-            self._deferred_families[family] = deferred.decide(
-                exe, ins, outs, fixed, self._auto_mesh(g)) if deferred.first_variant(exe) \
-                else None
+            per_state = None
+            if deferred.first_variant(exe):
+                per_state, traced = deferred.decide(exe, ins, outs, fixed, self._auto_mesh(g))
+            self._deferred_families[family] = per_state
         per_state = self._deferred_families[family]
         if per_state is None:
             return None
@@ -415,7 +417,7 @@ class MpmdCompiled:
         try:
             compiled, outs = deferred.compile_variant(
                 exe, ins, outs, fixed, unreduced, self._auto_mesh(g),
-                compiler_options=self._compiler_options)
+                compiler_options=self._compiler_options, traced=traced)
         except Exception:  # noqa: BLE001 -- Explicit mode refuses a variant: not deferred
             self._deferred_families[family] = None
             for other in [n for (h, n) in self._unreduced

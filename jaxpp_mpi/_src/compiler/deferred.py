@@ -346,7 +346,7 @@ def first_variant(exe: Any) -> bool:
 
 
 def decide(exe: Any, ins: Sequence[Any], outs: Sequence[Any], fixed: Sequence[bool],
-           mesh: Mesh) -> tuple[frozenset, ...] | None:
+           mesh: Mesh) -> tuple[tuple[frozenset, ...] | None, tuple[Any, ...] | None]:
     """Whether to defer the `Add` states of `exe`'s family (`Note: deferred reduction`).
 
     Traces `exe`, the family's first variant, on `mesh` with Explicit axes (no XLA
@@ -361,15 +361,16 @@ def decide(exe: Any, ins: Sequence[Any], outs: Sequence[Any], fixed: Sequence[bo
 
     Returns:
       Per state (in `exe.state_outs` order), the axes its value comes out unreduced over
-      beyond those its layout splits it over; None when there is nothing to defer or
-      Explicit mode refuses the executable.
+      beyond those its layout splits it over, or None when there is nothing to defer or
+      Explicit mode refuses the executable; and the traced results (the first variant
+      takes no state, so `compile_variant` needs no trace of its own), or None.
     """
     em = explicit_mesh(mesh)
     try:
         with jax.set_mesh(em):
             got = jax.eval_shape(exe.fn, *_structs(ins, _none(len(ins)), em))
     except Exception:  # noqa: BLE001 -- Explicit mode refuses the step: not deferred
-        return None
+        return None, None
     per_state = []
     for p in exe.state_outs:
         if p is None:
@@ -377,7 +378,7 @@ def decide(exe: Any, ins: Sequence[Any], outs: Sequence[Any], fixed: Sequence[bo
             continue
         spec = outs[p].spec if fixed[p] else _struct_spec(got[p])
         per_state.append(unreduced_axes(got[p]) - {a for e in spec for a in axes_of(e)})
-    return tuple(per_state) if any(per_state) else None
+    return (tuple(per_state) if any(per_state) else None), tuple(got)
 
 
 def variant_unreduced(exe: Any, num_ins: int, num_outs: int,
@@ -396,12 +397,14 @@ def variant_unreduced(exe: Any, num_ins: int, num_outs: int,
 
 def compile_variant(exe: Any, ins: Sequence[Any], outs: Sequence[Any], fixed: Sequence[bool],
                     unreduced: Unreduced, mesh: Mesh, *,
-                    compiler_options: dict[str, Any] | None = None
+                    compiler_options: dict[str, Any] | None = None,
+                    traced: Sequence[Any] | None = None
                     ) -> tuple[jax.stages.Compiled, tuple[Any, ...]]:
     """Compiles a variant of a deferred family for the layout pass (`Note: layouts`).
 
     A result whose layout is not `fixed` takes the one its Explicit type has (traced
-    first; no XLA choice to wait for), so each variant is compiled once.
+    first, unless `traced` gives the results of that trace: `decide`'s, for the first
+    variant; no XLA choice to wait for), so each variant is compiled once.
 
     Returns:
       The executable (`compile_deferred`) and the result Avals with their layouts.
@@ -411,8 +414,10 @@ def compile_variant(exe: Any, ins: Sequence[Any], outs: Sequence[Any], fixed: Se
       keeps the family's reduction per microbatch.
     """
     em = explicit_mesh(mesh)
-    with jax.set_mesh(em):
-        got = jax.eval_shape(exe.fn, *_structs(ins, unreduced[0], em))
+    got = traced
+    if got is None:
+        with jax.set_mesh(em):
+            got = jax.eval_shape(exe.fn, *_structs(ins, unreduced[0], em))
     outs = tuple(a if fixed[j] else dataclasses.replace(a, spec=_struct_spec(got[j]))
                  for j, a in enumerate(outs))
     return compile_deferred(exe, ins, outs, unreduced, mesh,
