@@ -12,7 +12,15 @@ import pytest
 from jax.extend import core as jex_core
 
 from jaxpp_mpi import mark_stage_end, treduce
-from jaxpp_mpi._src.compiler.split import BWD, BWD_I, BWD_W, FWD, SplitError, split_body
+from jaxpp_mpi._src.compiler.split import (
+    BWD,
+    BWD_I,
+    BWD_W,
+    FWD,
+    SplitError,
+    fuse_tasks,
+    split_body,
+)
 from jaxpp_mpi._src.treduce import find_treduce_eqns
 
 
@@ -89,6 +97,36 @@ def test_replayed_tasks_equal_body_bitwise(num_stages, partial_bwd, jit_model):
                 np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-7)
             else:
                 np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+@pytest.mark.parametrize("partial_bwd", [False, True])
+@pytest.mark.parametrize("fresh", [False, True])
+def test_fused_last_stage_replays_like_its_parts_bitwise(partial_bwd, fresh):
+    """`fuse_tasks` (`Note: back-to-back tasks`): the last stage's FWD and its backward
+    (BWD, or BWD_I with W left apart) as one task compute what the two compute in turn;
+    also when the backward's jaxpr has variables of its own (`fresh`: rebuilt by a pass,
+    as `replicas.localize_split` does)."""
+    step, params, batch = make_problem(3)
+    body, invariants = body_of(step, params, batch)
+    split = split_body(body, 3, partial_bwd=partial_bwd)
+    a, b = split.task((FWD, 2)), split.task((BWD_I if partial_bwd else BWD, 2))
+    if fresh:
+        structs = [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in b.jaxpr.in_avals]
+        b = dataclasses.replace(b, jaxpr=jax.make_jaxpr(jex_core.jaxpr_as_fun(b.jaxpr))(*structs))
+        assert not set(b.jaxpr.jaxpr.invars) & set(a.jaxpr.jaxpr.outvars)
+    read_elsewhere = {r[1] for t in split.tasks if t.key not in (a.key, b.key)
+                      for r in t.ins if r[0] == "val"}
+    read_elsewhere |= {r[1] for r in split.body_outputs if r[0] == "val"}
+    fused = fuse_tasks(a, b, keep=read_elsewhere & set(a.outs))
+    assert not set(fused.outs) - set(a.outs) - set(b.outs)
+    assert len(fused.outs) < len(a.outs) + len(b.outs)  # the residuals stay inside
+    tasks = [fused if t.key == a.key else t for t in split.tasks if t.key != b.key]
+    together = dataclasses.replace(split, tasks=tuple(tasks))
+    for i in range(2):
+        want = replay(split, invariants, i)
+        got = replay(together, invariants, i)
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
 def test_each_stage_task_holds_its_own_matmuls():
