@@ -309,11 +309,11 @@ def _schedule_order(
     return order
 
 
-def _back_to_back(split: SplitBody, order: Sequence[Sequence[tuple[TaskKey, int]]],
+def _back_to_back(by_key: Mapping[TaskKey, TaskJaxpr],
+                  order: Sequence[Sequence[tuple[TaskKey, int]]],
                   read_by: Mapping[str, set[TaskKey]], stage_group: Sequence[int]
                   ) -> dict[TaskKey, TaskKey]:
     """FWD key -> the backward key it fuses with (`Note: back-to-back tasks`)."""
-    by_key = {t.key: t for t in split.tasks}
     pairs = {}
     for g, group_order in enumerate(order):
         for a in dict.fromkeys(key for key, _ in group_order if key[0] is TaskType.FWD):
@@ -490,14 +490,15 @@ def build_loop_tasks(
     for k, key in enumerate(homes.host):
         hosted.setdefault(key, []).append(k)
     by_key = {t.key: t for t in split.tasks}
-    fused = _back_to_back(split, order, read_by, homes.stage_group)
+    fused = _back_to_back(by_key, order, read_by, homes.stage_group)
     for a, b in fused.items():  # Note: back-to-back tasks
         keep = {name for name in by_key[a].outs if read_by.get(name, set()) - {b}}
         keep |= {split.body_outputs[k][1] for k in hosted.get(a, [])
                  if split.body_outputs[k][0] == "val"}
         by_key[a] = fuse_tasks(by_key[a], by_key.pop(b), keep)
         hosted[a] = hosted.get(a, []) + hosted.pop(b, [])
-        order = [[(key, m) for key, m in group_order if key != b] for group_order in order]
+    order = [[(key, m) for key, m in group_order if key not in fused.values()]
+             for group_order in order]
     read_by_tasks = {ref[1] for t in by_key.values() for ref in t.ins if ref[0] == "val"}
     result = LoopTasks([[] for _ in range(num_groups)], [{} for _ in range(num_groups)], {}, {})
     for name, aval in split.value_avals.items():
@@ -552,8 +553,7 @@ def build_loop_tasks(
             for k, v in zip(ks, states_out):
                 result.avals[v] = acc_avals[k]
             result.tasks[g].append(TaskNode(
-                task_label(tuple(parts) if len(parts) > 1 else parts[0]), g, exe,
-                (*ins, *states_in),
+                task_label(tuple(parts)), g, exe, (*ins, *states_in),
                 (*(f"{task.outs[j]}@{m}" for j in export), *states_out),
                 donate=tuple(states_in),
             ))
