@@ -267,27 +267,26 @@ def _first_difference(a: str, b: str) -> tuple[int, str, str]:
 
 
 def agree_on_program(program: Program, comm: Comm,
-                     executables: Callable[[], Mapping[str, str]] | None = None) -> None:
+                     computations: Callable[[], Mapping[str, str]] | None = None) -> None:
     """Allgathers the program hash (in MPI mode, the barrier before the first message).
 
     Args:
       program: this rank's whole program.
       comm: the communicator, or None for this process alone (nothing to agree on).
-      executables: returns, per executable of every group (named e.g. "group 1
-        executable F_s1"), a deterministic text of what it computes (its jaxpr:
-        `compiler/fingerprint.py`); its digest joins the program hash, so ranks running
-        different arithmetic with the same shapes are refused too. Called only in MPI
-        mode.
+      computations: returns named, deterministic texts of what the ranks compute (the
+        traced step's jaxpr: `compiler/fingerprint.py`); their digest joins the program
+        hash, so ranks running different arithmetic with the same shapes are refused
+        too. Called only in MPI mode.
 
     Raises:
-      ValueError: on every rank, when the ranks built different programs or
-        executables, naming the ranks that differ from rank 0 and the first differing
-        line (of the program, or of the first differing executable) of each.
+      ValueError: on every rank, when the ranks built different programs or traced
+        different computations, naming the ranks that differ from rank 0 and the first
+        differing line (of the program, or of the first differing text) of each.
     """
     if comm is None:
         return
     label = "program agreement"
-    texts = dict(executables()) if executables is not None else {}
+    texts = dict(computations()) if computations is not None else {}
     digests = {name: _digest(text) for name, text in texts.items()}
     mine = (program.hash(), _digest(repr(sorted(digests.items()))))
     hashes = allgather(mine, comm, label)
@@ -323,6 +322,6 @@ def agree_on_program(program: Program, comm: Comm,
                      f"    rank 0:  {a}\n    rank {r}:  {b}")
     raise ValueError(
         "the ranks traced different code for this step (same program, different "
-        "computations in an executable), so they would not train the same model; every "
-        "rank must run the same step function:\n" + "\n".join(lines)
+        "computations), so they would not train the same model; every rank must run the "
+        "same step function:\n" + "\n".join(lines)
     )

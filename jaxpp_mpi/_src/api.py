@@ -56,7 +56,7 @@ from jaxpp_mpi._src.array import without_axis
 from jaxpp_mpi._src.compiled import MpmdCompiled, is_step_check
 from jaxpp_mpi._src.compiler import replicas
 from jaxpp_mpi._src.compiler.build import StepPlan, build_step
-from jaxpp_mpi._src.compiler.fingerprint import executable_texts
+from jaxpp_mpi._src.compiler.fingerprint import step_texts
 from jaxpp_mpi._src.errors import CompileError
 from jaxpp_mpi._src.ir.simulate import runtime_sends
 from jaxpp_mpi._src.mesh import MpmdMesh
@@ -151,8 +151,7 @@ class MpmdFunction:
         plan = agree.run(lambda: self._plan(call, key, name), comm,
                          _ranks_failed(name, "to trace it"), own="if_all",
                          label="step trace agreement")
-        agree.agree_on_program(plan.program, comm,
-                               executables=lambda: executable_texts(plan))
+        agree.agree_on_program(plan.program, comm, computations=lambda: step_texts(plan))
         # Everything is compiled when this returns: its allgather is the barrier before
         # this rank's first message (DESIGN.md §7).
         # Each executable is compiled for its group's devices, whatever mesh the caller

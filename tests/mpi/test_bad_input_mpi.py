@@ -133,7 +133,7 @@ def test_stage_marks_differ_on_rank_1_only(mesh):
 def test_different_arithmetic_on_rank_1_only(mesh):
     """Rank 1's loss scales by another constant: same shapes, same program, different
     computation. Every rank refuses it before any message, naming the first differing
-    executable (`Note: executable fingerprints`)."""
+    line of the traced step (`Note: step fingerprints`)."""
     _, _, loss_fn = mlp(SIZE, N)
 
     def loss(params, mb):
@@ -142,7 +142,7 @@ def test_different_arithmetic_on_rank_1_only(mesh):
 
     raises_everywhere(
         lambda: compile_mlp(mesh, jaxpp_mpi.Std1F1B(SIZE), SIZE, loss=loss), ValueError,
-        r"traced different code", r"rank 1 differs from rank 0 first in group \d+ executable")
+        r"traced different code", r"rank 1 differs from rank 0 first in the traced step")
 
 
 @pytest.mark.mpi(min_size=2)

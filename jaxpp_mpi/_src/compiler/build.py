@@ -85,6 +85,9 @@ class StepPlan:
         `mb_inputs` microbatch.
       replica_microbatches: microbatches each replica runs (the loop's count with one
         replica).
+      step_jaxpr: the traced step the plan was built from (its first inputs are the
+        constants, then the flat arguments): what the ranks compare (`Note: step
+        fingerprints` in compiler/fingerprint.py).
     """
 
     program: Program
@@ -106,6 +109,7 @@ class StepPlan:
     output_weak: tuple[bool, ...] = ()
     num_replicas: int = 1
     replica_microbatches: int = 0
+    step_jaxpr: jex_core.Jaxpr | None = None
 
     @property
     def num_groups(self) -> int:
@@ -527,4 +531,5 @@ def build_step(
         output_weak=tuple(bool(getattr(v.aval, "weak_type", False)) for v in jaxpr.outvars),
         num_replicas=num_replicas,
         replica_microbatches=n_local,
+        step_jaxpr=jaxpr,
     )

@@ -1,7 +1,7 @@
-"""The program hash covers what each executable computes (`Note: executable
-fingerprints` in compiler/fingerprint.py): the text is the same for separate traces of
-the same step, and ranks tracing different arithmetic are refused on every rank, naming
-the first differing executable. Two ranks are two threads over a stand-in communicator."""
+"""The program hash covers what the step computes (`Note: step fingerprints` in
+compiler/fingerprint.py): the text is the same for separate traces of the same step, and
+ranks tracing different arithmetic are refused on every rank, naming the first differing
+line of the traced step. Two ranks are two threads over a stand-in communicator."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from models import make_step, mlp
 import jaxpp_mpi
 from jaxpp_mpi._src import agree
 from jaxpp_mpi._src.compiler.build import build_step
-from jaxpp_mpi._src.compiler.fingerprint import executable_texts
+from jaxpp_mpi._src.compiler.fingerprint import STEP, step_texts
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -62,7 +62,7 @@ def _agree_on_two_ranks(plans) -> list[BaseException | None]:
     def rank(r: int) -> None:
         try:
             agree.agree_on_program(plans[r].program, ThreadComm(r, shared),
-                                   executables=lambda: executable_texts(plans[r]))
+                                   computations=lambda: step_texts(plans[r]))
         except BaseException as e:  # noqa: BLE001 - the test looks at it
             errors[r] = e
 
@@ -75,21 +75,21 @@ def _agree_on_two_ranks(plans) -> list[BaseException | None]:
 
 
 def test_two_traces_of_one_step_give_the_same_texts_without_addresses():
-    a, b = executable_texts(_plan()), executable_texts(_plan())
-    assert a == b and len(a) > 2
-    assert not any(" at 0x" in text for text in a.values())
+    a, b = step_texts(_plan()), step_texts(_plan())
+    assert a == b and list(a) == [STEP]
+    assert "treduce" in a[STEP] and " at 0x" not in a[STEP]
 
 
 def test_the_texts_do_not_depend_on_the_process():
     code = ("import hashlib, sys; sys.path[:0] = ['tests', 'tests/unit/runtime'];"
             "from test_fingerprint import _plan;"
-            "from jaxpp_mpi._src.compiler.fingerprint import executable_texts;"
-            "t = executable_texts(_plan());"
+            "from jaxpp_mpi._src.compiler.fingerprint import step_texts;"
+            "t = step_texts(_plan());"
             "print(hashlib.sha256(repr(sorted(t.items())).encode()).hexdigest())")
     env = dict(os.environ, PYTHONHASHSEED="random")
     theirs = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, check=True,
                             capture_output=True, text=True).stdout.strip()
-    mine = executable_texts(_plan())
+    mine = step_texts(_plan())
     assert theirs == hashlib.sha256(repr(sorted(mine.items())).encode()).hexdigest()
 
 
@@ -109,13 +109,14 @@ def test_different_arithmetic_on_one_rank_is_refused_on_every_rank(other):
     assert str(errors[0]) == str(errors[1])
     message = str(errors[0])
     assert "the ranks traced different code" in message
-    assert "rank 1 differs from rank 0 first in group " in message
-    first = message.split("first in ")[1].split(",")[0]
-    assert first in executable_texts(plans[0])
+    assert f"rank 1 differs from rank 0 first in {STEP}, at jaxpr line " in message
+    # The line shown is the step's own: rank 1's text has it, rank 0's does not.
+    shown = message.split("rank 1:  ")[1].strip()
+    assert shown in step_texts(plans[1])[STEP] and shown not in step_texts(plans[0])[STEP]
 
 
 def test_local_mode_computes_no_fingerprint():
     def never():
         raise AssertionError("fingerprints computed without a communicator")
 
-    agree.agree_on_program(_plan().program, None, executables=never)
+    agree.agree_on_program(_plan().program, None, computations=never)
