@@ -502,8 +502,8 @@ def build_loop_tasks(
     read_by_tasks = {ref[1] for t in by_key.values() for ref in t.ins if ref[0] == "val"}
     result = LoopTasks([[] for _ in range(num_groups)], [{} for _ in range(num_groups)], {}, {})
     for name, aval in split.value_avals.items():
-        for m in range(n):
-            result.avals[f"{name}@{m}"] = aval_of(aval)
+        value_aval = aval_of(aval)  # the same for every microbatch
+        result.avals.update((f"{name}@{m}", value_aval) for m in range(n))
     acc_avals = [aval_of(op.result_aval(length, a)) for op, a in zip(ops, out_avals)]
 
     def mb_value(m: int, g: int) -> Value:
