@@ -159,6 +159,9 @@ class Probe:
         self._wrap(compiled.MpmdCompiled, "_make_executor", "executor")
         self._wrap(compiled.MpmdCompiled, "_compile_group", "compile_group")
         self._wrap(compiled, "compile_exe", "compile_exe")
+        shared = getattr(compiled, "shared_compiles", None)  # absent in older trees
+        if shared is not None:
+            self._wrap(shared, "compile_lowered", "compile_exe")
         self._wrap(compiled.deferred, "compile_deferred", "compile_exe")
         self._wrap(jax.stages.Lowered, "compile", "xla_compile")
         try:
@@ -233,6 +236,8 @@ def run_mpmd(args: argparse.Namespace) -> None:
         "phases_cpu_s": probe.cpu_seconds,
         "counts": probe.counts,
         "executables": len(compiled.plan.exes[rank]),
+        # Note: shared compiles (absent in trees before it)
+        "shared_compiles": dict(getattr(compiled, "shared_report", {}) or {}),
         "executables_all_groups": sum(len(e) for e in compiled.plan.exes),
     }
     ranks = comm.gather(mine, root=0)

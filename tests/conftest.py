@@ -38,6 +38,21 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 
+@pytest.fixture
+def no_persistent_cache():
+    """JAX's persistent compilation cache off for one test (the session turns it on,
+    above): for what it changes, e.g. `Note: shared compiles`, which it turns off."""
+    import jax
+    from jax._src import compilation_cache
+
+    before = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
+    yield
+    jax.config.update("jax_enable_compilation_cache", before)
+    compilation_cache.reset_cache()
+
+
 def _mpi_world():
     from mpi4py import MPI
 

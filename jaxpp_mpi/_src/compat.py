@@ -20,7 +20,8 @@ from jax.extend import core as jex_core
 from jax.extend import linear_util as lu
 from jax.interpreters import partial_eval as pe
 
-__all__ = ["jax_backends_initialized", "mesh_spec", "trace_closure_converted"]
+__all__ = ["jax_backends_initialized", "mesh_spec", "persistent_cache_used",
+           "trace_closure_converted"]
 
 
 def trace_closure_converted(
@@ -77,6 +78,24 @@ def jax_backends_initialized() -> bool:
     from jax._src import xla_bridge
 
     return xla_bridge.backends_are_initialized()
+
+
+def persistent_cache_used(device: Any) -> bool:
+    """Whether compiles for `device`'s backend go through JAX's persistent compilation
+    cache (`JAX_COMPILATION_CACHE_DIR`).
+
+    Why `jax._src.compilation_cache`: JAX decides this once per process from several
+    settings (directory, enable flag, backend support) and keeps the answer;
+    `is_cache_used` is that decision, and the public config alone can disagree with it
+    after a setting changes. Falls back to the config where the internals moved.
+    """
+    try:
+        from jax._src import compilation_cache
+
+        return bool(compilation_cache.is_cache_used(device.client))
+    except (ImportError, AttributeError):
+        return bool(jax.config.jax_enable_compilation_cache
+                    and jax.config.jax_compilation_cache_dir)
 
 
 def mesh_spec(sharding: jax.sharding.Sharding, mesh: jax.sharding.Mesh

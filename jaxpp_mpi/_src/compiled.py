@@ -38,7 +38,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from jaxpp_mpi._src import agree, compat
+from jaxpp_mpi._src import agree, compat, shared_compiles
 from jaxpp_mpi._src.arguments import paths
 from jaxpp_mpi._src.array import MpmdArray, MpmdSharding, mpmd_array_from_local
 from jaxpp_mpi._src.compiler import deferred
@@ -62,6 +62,7 @@ __all__ = ["STEP_CHECK", "MpmdCompiled", "compile_exe", "is_step_check"]
 # the application enables it, e.g. logging.basicConfig(level=logging.INFO).
 logger = logging.getLogger("jaxpp_mpi")
 _REPORT_EVERY_S = 5.0
+_FILL = "/fill"  # a `_first` variant's identity fill, among a group's compile jobs
 
 STEP_CHECK = "jaxpp_mpi.step-call-check"
 """Tags a rank's report in a per-call check (`Note: checking a call on every rank`)."""
@@ -82,6 +83,21 @@ def _call_failed(failed: list[int], messages: Sequence[str | None]) -> ValueErro
         f"{messages[failed[0]]}")
 
 
+def lower_exe(exe: Exe, in_avals: Sequence[Aval], out_avals: Sequence[Aval],
+              sharding: Callable[[Aval], jax.sharding.Sharding],
+              free: Sequence[bool] = ()) -> jax.stages.Lowered:
+    """Lowers one executable for one group, every buffer laid out as its Aval says (the
+    arguments as for `compile_exe`)."""
+    in_sh = tuple(sharding(a) for a in in_avals)
+    out_sh = tuple(None if j < len(free) and free[j] else sharding(a)
+                   for j, a in enumerate(out_avals))
+    structs = [jax.ShapeDtypeStruct(a.shape, np.dtype(a.dtype), sharding=s)
+               for a, s in zip(in_avals, in_sh)]
+    jitted = jax.jit(exe.fn, in_shardings=in_sh, out_shardings=out_sh,
+                     donate_argnums=exe.donate_argnums)
+    return jitted.lower(*structs)
+
+
 def compile_exe(exe: Exe, in_avals: Sequence[Aval], out_avals: Sequence[Aval],
                 sharding: Callable[[Aval], jax.sharding.Sharding],
                 free: Sequence[bool] = (),
@@ -99,14 +115,7 @@ def compile_exe(exe: Exe, in_avals: Sequence[Aval], out_avals: Sequence[Aval],
     Returns:
       A `jax.stages.Compiled`: called with the input arrays, it returns the outputs.
     """
-    in_sh = tuple(sharding(a) for a in in_avals)
-    out_sh = tuple(None if j < len(free) and free[j] else sharding(a)
-                   for j, a in enumerate(out_avals))
-    structs = [jax.ShapeDtypeStruct(a.shape, np.dtype(a.dtype), sharding=s)
-               for a, s in zip(in_avals, in_sh)]
-    jitted = jax.jit(exe.fn, in_shardings=in_sh, out_shardings=out_sh,
-                     donate_argnums=exe.donate_argnums)
-    return jitted.lower(*structs).compile(compiler_options or None)
+    return lower_exe(exe, in_avals, out_avals, sharding, free).compile(compiler_options or None)
 
 
 def _compile_failed(failed: list[int], messages: Sequence[str | None]) -> CompileError:
@@ -158,6 +167,9 @@ class MpmdCompiled:
         for an argument the step does not read).
       out_shardings: a pytree like the result: per leaf, where it lives.
       plan: the `StepPlan` (program, executables' specs, input and output layout).
+      shared_report: what compiling this process's executables took: XLA compiles run
+        here, modules loaded from another rank's compile (`Note: shared compiles`),
+        distinct modules needed here and across the job.
 
     Args:
       plan: the step's plan.
@@ -287,7 +299,8 @@ class MpmdCompiled:
 
     def _compile_group(self, g: int, report: bool) -> dict[str, Any]:
         """Compiles group `g`'s executables, each distinct one once; logs progress when
-        `report`."""
+        `report`. In MPI mode every rank calls it for its group: the ranks compile the
+        modules they have in common once (`Note: shared compiles`)."""
         plan = self.plan
         exes = plan.exes[g]
         shared = self._shared_variants(g)
@@ -295,28 +308,58 @@ class MpmdCompiled:
         if report:
             logger.info("compiling %d executables for group %d (%d across %d groups)",
                         len(exes), g, total, plan.num_groups)
-        start = last = time.perf_counter()
-        mine: dict[str, Any] = {}
-        own = [(name, exe) for name, exe in exes.items() if name not in shared]
-        for k, (name, exe) in enumerate(own, 1):
-            ins, outs = plan.exe_avals[g][name]
-            mine[name] = self._executables[g].get(name) or compile_exe(
-                exe, ins, outs, functools.partial(self.sharding, g),
-                compiler_options=self._compiler_options)
-            now = time.perf_counter()
-            if report and k < len(own) and now - last >= _REPORT_EVERY_S:
-                logger.info("group %d: %d/%d compiled, %.1f s", g, k, len(own), now - start)
-                last = now
+        start = time.perf_counter()
+        jobs = {name: (exe, *plan.exe_avals[g][name]) for name, exe in exes.items()
+                if name not in shared and name not in self._executables[g]}
         for name, (plain, fill) in shared.items():
             states = plan.exe_avals[g][plain][0][len(plan.exe_avals[g][name][0]):]
-            mine[name] = _FromPlain(mine[plain], compile_exe(
-                fill, (), states, functools.partial(self.sharding, g),
-                compiler_options=self._compiler_options))
+            jobs[name + _FILL] = (fill, (), states)
+        built = self._compile_jobs(g, jobs, report)
+        mine = {**{name: e for name, e in self._executables[g].items() if name in exes},
+                **built}
+        for name, (plain, _) in shared.items():
+            mine[name] = _FromPlain(mine[plain], built[name + _FILL])
         if report:
             logger.info("group %d: %d/%d executables compiled in %.1f s (%d of them run "
                         "as their plain variant)", g, len(exes), len(exes),
                         time.perf_counter() - start, len(shared))
         return {name: mine[name] for name in exes}
+
+    def _compile_jobs(self, g: int, jobs: dict[str, tuple[Exe, Sequence[Aval], Sequence[Aval]]],
+                      report: bool) -> dict[str, Any]:
+        """Compiles `jobs` (name -> executable, input avals, output avals) for group `g`:
+        one by one in local mode, with the other ranks in MPI mode (`Note: shared
+        compiles`); records `shared_report`."""
+        sharding = functools.partial(self.sharding, g)
+        if self.mesh.is_local:
+            start = last = time.perf_counter()
+            out = {}
+            for k, (name, (exe, ins, outs)) in enumerate(jobs.items(), 1):
+                out[name] = compile_exe(exe, ins, outs, sharding,
+                                        compiler_options=self._compiler_options)
+                now = time.perf_counter()
+                if report and k < len(jobs) and now - last >= _REPORT_EVERY_S:
+                    logger.info("group %d: %d/%d compiled, %.1f s", g, k, len(jobs),
+                                now - start)
+                    last = now
+            self.shared_report = shared_compiles.SharedReport(
+                compiled=len(jobs), received=0, needed=len(jobs), distinct=len(jobs))
+            return out
+        lowered, error = None, None
+        try:
+            lowered = {name: lower_exe(exe, ins, outs, sharding)
+                       for name, (exe, ins, outs) in jobs.items()}
+        except Exception as e:  # noqa: BLE001 - raised on every rank by compile_lowered
+            error = e
+        built, self.shared_report = shared_compiles.compile_lowered(
+            lowered, error, self.mesh.job_comm, devices=list(self._auto_mesh(g).devices.flat),
+            compiler_options=self._compiler_options)
+        if report:
+            logger.info("group %d: %d distinct modules, %d compiled here, %d by other ranks "
+                        "(%d distinct across the job)", g, self.shared_report["needed"],
+                        self.shared_report["compiled"], self.shared_report["received"],
+                        self.shared_report["distinct"])
+        return built
 
     def _infer_layouts(self, plan: StepPlan) -> StepPlan:
         """Runs the layout pass (`Note: layouts`), compiling this process's executables

@@ -24,6 +24,9 @@ Variables:
     (gradients) one all-reduce across replicas carries (default 64, chosen by
     bench/replicas.py; `0`: one all-reduce per task's results; `Note: replica
     reductions` in ir/passes.py).
+  JAXPP_MPI_SHARED_COMPILES: `1` (default): in MPI mode ranks that need the same
+    executable compile it once between them (`Note: shared compiles` in
+    shared_compiles.py); `0`: every rank compiles all of its own.
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ class Options:
         (tracing, compiling), when longer.
       replica_bucket_bytes: the largest all-reduce across pipeline replicas, in bytes.
       posted_sends: whether MPI mode posts its sends where the platform allows (CPU).
+      shared_compiles: whether ranks that need the same executable compile it once.
     """
 
     step_timeout_s: float | None = None
@@ -74,6 +78,7 @@ class Options:
     work_factor: float = 5.0
     replica_bucket_bytes: int = 64 << 20
     posted_sends: bool = True
+    shared_compiles: bool = True
 
 
 def _float(env: Mapping[str, str], name: str, default: float) -> float:
@@ -128,6 +133,7 @@ def parse_options(env: Mapping[str, str]) -> Options:
         heap_tuning=_flag(env, "JAXPP_MPI_HEAP_TUNING"),
         replica_bucket_bytes=int(_float(env, "JAXPP_MPI_REPLICA_BUCKET_MB", 64.0) * (1 << 20)),
         posted_sends=_flag(env, "JAXPP_MPI_POSTED_SENDS"),
+        shared_compiles=_flag(env, "JAXPP_MPI_SHARED_COMPILES"),
     )
 
 

@@ -1,0 +1,241 @@
+"""Compiling each distinct executable once across the ranks of an MPI job.
+
+Note: shared compiles.
+  Ranks often need the same executables: the middle stages of a pipeline of identical
+  blocks, every pipeline replica's copy of its group, optimizer updates of equal shapes.
+  XLA's compile time follows a module's distinct kernels (bench/README.md), so a rank
+  compiling one stage pays nearly what one process pays for the whole model, and every
+  further rank that compiles the same module pays it again. So in MPI mode the ranks
+  lower their executables (cheap) and allgather a digest of each: the module's text,
+  the compiler options, the platform, kind and ids of the devices it is compiled for,
+  XLA_FLAGS and JAX's version (any difference only costs the sharing). Each distinct
+  digest is compiled by one of the ranks that need it: a module only one rank needs
+  stays with it, the shared ones go, largest first (the module text's length as the
+  cost), to the least loaded of the ranks that need them, so the ranks' compile work
+  stays even. The owners send each module, serialized
+  (`jax.experimental.serialize_executable`), to the other ranks that need it, with one
+  object alltoall that moves only what each rank needs; a receiver loads it
+  (`deserialize_and_load`) for its own devices, which the digest says are alike.
+  - A module that cannot be serialized or loaded is compiled by each rank needing it.
+  - A compile that fails fails its owner, whose error every rank raises (one allgather
+    of the outcome, as the layout pass does: `Note: raise on every rank` in agree.py),
+    before the executor is built; the ranks that needed the module raise it too.
+  - The collectives wait under the compile barrier's deadline, which this rank's own
+    compile time extends (`Note: deadlines` in runtime/failure.py), after an idle wait
+    (`Note: idle waits` in agree.py): a peer may still be compiling.
+  `JAXPP_MPI_SHARED_COMPILES=0` turns it off: each rank compiles all of its own; so does
+  JAX's persistent compilation cache (`JAX_COMPILATION_CACHE_DIR`), since an executable
+  loaded from it does not serialize whole (`_persistent_cache_on`). Ranks decide
+  together (the digests' allgather carries each rank's will), so a rank whose settings
+  differ turns sharing off for all rather than leaving them in a collective.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+
+from jaxpp_mpi._src import agree, compat, config
+from jaxpp_mpi._src.errors import CompileError
+from jaxpp_mpi._src.runtime import failure
+from jaxpp_mpi._src.types import Comm
+
+__all__ = ["LABEL", "SharedReport", "assign_owners", "compile_lowered", "digest"]
+
+LABEL = "compile barrier"
+"""The deadline label of the collectives here (they follow the same local work)."""
+
+
+def digest(lowered: jax.stages.Lowered, devices: Sequence[Any],
+           compiler_options: Mapping[str, Any] | None) -> str:
+    """What makes two ranks' compiles of `lowered` interchangeable, as a sha256 digest.
+
+    Args:
+      lowered: the lowered module.
+      devices: the devices it is compiled for (their platform, kind and ids count).
+      compiler_options: the XLA options it is compiled with.
+    """
+    where = [(d.platform, getattr(d, "device_kind", ""), d.id) for d in devices]
+    parts = (lowered.as_text(), repr(sorted((compiler_options or {}).items())), repr(where),
+             os.environ.get("XLA_FLAGS", ""), jax.__version__)
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()
+
+
+def assign_owners(wants: Sequence[Mapping[str, int]]) -> dict[str, int]:
+    """digest -> the rank that compiles it (`Note: shared compiles`).
+
+    Args:
+      wants: per rank, the digests it needs with their costs (the same cost for the
+        same digest on every rank).
+
+    Returns:
+      For every digest some rank needs, one of the ranks that need it; the same on
+      every rank given the same `wants`.
+    """
+    needers: dict[str, tuple[int, list[int]]] = {}
+    for r, mine in enumerate(wants):
+        for d, cost in mine.items():
+            needers.setdefault(d, (cost, []))[1].append(r)
+    load = [0] * len(wants)
+    owner = {}
+    for d, (cost, ranks) in needers.items():
+        if len(ranks) == 1:
+            owner[d] = ranks[0]
+            load[ranks[0]] += cost
+    shared = sorted(((cost, d, ranks) for d, (cost, ranks) in needers.items() if len(ranks) > 1),
+                    key=lambda x: (-x[0], x[1]))
+    for cost, d, ranks in shared:
+        owner[d] = min(ranks, key=lambda r: (load[r], r))
+        load[owner[d]] += cost
+    return owner
+
+
+class SharedReport(dict):
+    """What one rank's `compile_lowered` did: `compiled` (XLA compiles it ran),
+    `received` (modules loaded from another rank's compile), `needed` (distinct modules
+    this rank needed) and `distinct` (distinct modules the whole job needed)."""
+
+
+def _compile_here(lowered: Mapping[str, jax.stages.Lowered],
+                  compile_one: Callable[[jax.stages.Lowered], jax.stages.Compiled],
+                  ) -> tuple[dict[str, jax.stages.Compiled], SharedReport]:
+    """Every module compiled by this rank (`compile_lowered` without sharing)."""
+    out = {name: compile_one(low) for name, low in lowered.items()}
+    return out, SharedReport(compiled=len(out), received=0, needed=len(out),
+                             distinct=len(out))
+
+
+def _persistent_cache_on(devices: Sequence[Any]) -> bool:
+    """Whether JAX's persistent compilation cache is in use. Then a rank does not share:
+    an executable loaded from that cache serializes without its code (jax 0.10 on CPU:
+    the loaded copy fails with "Function ... not found"), and with a warm cache there is
+    little left to share."""
+    return bool(devices) and compat.persistent_cache_used(devices[0])
+
+
+def _failed(failed: list[int], messages: Sequence[str | None]) -> CompileError:
+    return CompileError(f"rank(s) {failed} failed to compile their executables: "
+                        f"{messages[failed[0]]}")
+
+
+def _serialized(compiled: jax.stages.Compiled) -> Any:
+    """The bytes another rank loads, or ("unsupported", why)."""
+    from jax.experimental.serialize_executable import serialize
+
+    try:
+        return serialize(compiled)[0]
+    except Exception as e:  # noqa: BLE001 - the receivers compile it themselves
+        return ("unsupported", agree.describe(e))
+
+
+def compile_lowered(
+    lowered: Mapping[str, jax.stages.Lowered] | None,
+    error: BaseException | None,
+    comm: Comm,
+    *,
+    devices: Sequence[Any],
+    compiler_options: Mapping[str, Any] | None = None,
+    compile_one: Callable[[jax.stages.Lowered], jax.stages.Compiled] | None = None,
+) -> tuple[dict[str, jax.stages.Compiled], SharedReport]:
+    """Compiles `lowered` (name -> module), sharing the work with the ranks of `comm`
+    that need the same modules (`Note: shared compiles`). Every rank of `comm` calls it.
+
+    Args:
+      lowered: this rank's modules by name, or None where lowering them failed.
+      error: this rank's error so far (lowering), or None.
+      comm: the ranks that compile together (None, or sharing off: this rank alone).
+      devices: the devices this rank's modules are compiled for, in their device
+        assignment's order (a received module is loaded for them).
+      compiler_options: XLA options, as `Lowered.compile` takes them.
+      compile_one: compiles one module (default: `Lowered.compile` with the options).
+
+    Returns:
+      (name -> compiled executable, this rank's report).
+
+    Raises:
+      CompileError or this rank's own error, on every rank, when any rank failed to
+      lower or compile a module it or another rank needed.
+    """
+    options = dict(compiler_options) if compiler_options else None
+    compile_one = compile_one or (lambda low: low.compile(options))
+    if comm is None or comm.Get_size() == 1:
+        if error is not None:
+            raise error
+        return _compile_here(lowered, compile_one)
+    started = time.perf_counter()
+    me = comm.Get_rank()
+    willing = config.options().shared_compiles and not _persistent_cache_on(devices)
+    digests, costs = {}, {}
+    if error is None and willing:
+        try:
+            for name, low in lowered.items():
+                digests[name] = digest(low, devices, options)
+                costs[digests[name]] = len(low.as_text())
+        except Exception as e:  # noqa: BLE001 - raised on every rank just below
+            error = e
+    agree.wait_idle(comm, LABEL)
+    gathered = agree.allgather_or_raise((willing, costs), error, comm, _failed, own="if_all",
+                                        label=LABEL)
+    if not all(w for w, _ in gathered):  # some rank does not share: each compiles its own
+        try:
+            out, error = _compile_here(lowered, compile_one), None
+        except Exception as e:  # noqa: BLE001 - raised on every rank just below
+            out, error = None, e
+        failure.record_work(LABEL, time.perf_counter() - started)
+        agree.wait_idle(comm, LABEL)
+        agree.raise_if_any(error, comm, _failed, own="if_all", label=LABEL)
+        return out
+    wants = [costs for _, costs in gathered]
+    owner = assign_owners(wants)
+    first = {}  # digest -> one of this rank's names for it
+    for name, d in digests.items():
+        first.setdefault(d, name)
+    done: dict[str, jax.stages.Compiled] = {}
+    errors: dict[str, str] = {}
+    for d, name in first.items():
+        if owner[d] == me:
+            try:
+                done[d] = compile_one(lowered[name])
+            except Exception as e:  # noqa: BLE001 - sent to whoever needs it
+                errors[d] = agree.describe(e)
+    outgoing: list[dict[str, Any]] = [{} for _ in wants]
+    for r, theirs in enumerate(wants):
+        for d in theirs:
+            if r != me and owner[d] == me:
+                outgoing[r][d] = ("error", errors[d]) if d in errors else _serialized(done[d])
+    failure.record_work(LABEL, time.perf_counter() - started)
+    agree.wait_idle(comm, LABEL)  # Note: idle waits
+    with failure.deadline(LABEL, comm):
+        incoming = comm.alltoall(outgoing)
+    received = 0
+    for d, name in first.items():
+        if d in done or d in errors:
+            continue
+        got = incoming[owner[d]].get(d)
+        if isinstance(got, tuple) and got and got[0] == "error":
+            continue  # its owner failed: every rank raises just below, naming it
+        try:
+            if isinstance(got, (bytes, bytearray)):
+                from jax.experimental.serialize_executable import deserialize_and_load
+
+                low = lowered[name]
+                done[d] = deserialize_and_load(got, low.in_tree, low.out_tree,
+                                               execution_devices=list(devices))
+                received += 1
+                continue
+        except Exception:  # noqa: BLE001, S110 - compiled here instead, just below
+            pass
+        try:
+            done[d] = compile_one(lowered[name])
+        except Exception as e:  # noqa: BLE001 - raised on every rank just below
+            errors[d] = agree.describe(e)
+    failed = CompileError(next(iter(errors.values()))) if errors else None
+    agree.raise_if_any(failed, comm, _failed, own="if_all", label=LABEL)
+    report = SharedReport(compiled=len(first) - received, received=received,
+                          needed=len(first), distinct=len(owner))
+    return {name: done[d] for name, d in digests.items()}, report

@@ -1,0 +1,155 @@
+"""Compiling each distinct module once across ranks (`Note: shared compiles` in
+shared_compiles.py): who compiles what, and the exchange played by ranks that are
+threads over a stand-in communicator (the MPI runs are in tests/mpi)."""
+
+from __future__ import annotations
+
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxpp_mpi._src import shared_compiles
+from jaxpp_mpi._src.errors import CompileError
+from jaxpp_mpi._src.shared_compiles import assign_owners, compile_lowered
+
+
+def test_a_module_one_rank_needs_stays_there_and_shared_ones_even_the_load():
+    wants = [{"a": 10, "s1": 5}, {"s1": 5, "s2": 3, "s3": 3}, {"s2": 3, "s3": 3}]
+    owner = assign_owners(wants)
+    assert owner == {"a": 0, "s1": 1, "s2": 2, "s3": 2}
+    assert assign_owners(wants) == owner  # the same on every rank
+    for d, r in owner.items():
+        assert d in wants[r]  # only a rank that needs a module compiles it
+
+
+def test_identical_ranks_split_their_modules():
+    wants = [{"f": 9, "b": 7, "post": 3, "fill": 1}] * 2
+    owner = assign_owners(wants)
+    loads = [sum(wants[0][d] for d, r in owner.items() if r == k) for k in (0, 1)]
+    assert sorted(loads) == [10, 10]
+
+
+class ThreadComm:
+    """One rank's end of an in-process communicator whose ranks are threads."""
+
+    def __init__(self, rank: int, shared: dict):
+        self.rank, self.shared = rank, shared
+
+    def Get_rank(self) -> int:  # noqa: N802 - mpi4py's names
+        return self.rank
+
+    def Get_size(self) -> int:  # noqa: N802
+        return len(self.shared["slots"])
+
+    def allgather(self, obj):
+        s = self.shared
+        s["slots"][self.rank] = obj
+        s["barrier"].wait()
+        out = list(s["slots"])
+        s["barrier"].wait()
+        return out
+
+    def alltoall(self, objs):
+        everyone = self.allgather(objs)
+        return [everyone[r][self.rank] for r in range(len(everyone))]
+
+
+def _lowered(scale: float):
+    f = jax.jit(lambda x: (jnp.tanh(x * scale), x.sum()))
+    return f.lower(jax.ShapeDtypeStruct((4, 8), np.float32))
+
+
+def _run_ranks(per_rank, compile_one=None):
+    """Runs `compile_lowered` on len(per_rank) thread ranks; per rank (result, error)."""
+    n = len(per_rank)
+    shared = {"slots": [None] * n, "barrier": threading.Barrier(n, timeout=60)}
+    out = [None] * n
+
+    def rank(r: int) -> None:
+        try:
+            out[r] = (compile_lowered(per_rank[r], None, ThreadComm(r, shared),
+                                      devices=jax.devices()[:1],
+                                      compile_one=compile_one and compile_one(r)), None)
+        except BaseException as e:  # noqa: BLE001 - the test looks at it
+            out[r] = (None, e)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+def test_two_ranks_compile_their_common_modules_once_and_get_the_same_results(
+        no_persistent_cache):
+    x = jnp.arange(32, dtype=jnp.float32).reshape(4, 8) / 7
+    per_rank = [{"F": _lowered(2.0), "post": _lowered(3.0)},
+                {"F": _lowered(2.0), "post": _lowered(3.0), "mine": _lowered(5.0)}]
+    (r0, e0), (r1, e1) = _run_ranks(per_rank)
+    assert e0 is None and e1 is None, (e0, e1)
+    (exes0, rep0), (exes1, rep1) = r0, r1
+    assert rep0["distinct"] == rep1["distinct"] == 3
+    assert rep0["compiled"] + rep1["compiled"] == 3  # each distinct module once
+    assert rep0["received"] + rep1["received"] == 2  # F and post reached the other rank
+    for name, exe in [*exes0.items(), *exes1.items()]:
+        expected = jax.jit(lambda v, s={"F": 2.0, "post": 3.0, "mine": 5.0}[name]:
+                           (jnp.tanh(v * s), v.sum()))(x)
+        for got, want in zip(exe(x), expected):
+            np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("cache", ["off", "on"])
+def test_a_failed_compile_raises_on_every_rank_naming_its_owner(request, cache):
+    if cache == "off":
+        request.getfixturevalue("no_persistent_cache")
+    per_rank = [{"F": _lowered(2.0), "post": _lowered(3.0)},
+                {"F": _lowered(2.0), "post": _lowered(3.0)}]
+
+    def compile_one(rank):
+        def compile_(low):
+            if rank == 1:
+                raise RuntimeError("injected compile failure")
+            return low.compile()
+        return compile_
+
+    results = _run_ranks(per_rank, compile_one)
+    for _, error in results:
+        assert isinstance(error, CompileError), results
+        assert "rank(s) [1] failed to compile" in str(error)
+        assert "injected compile failure" in str(error)
+
+
+def test_with_the_persistent_cache_every_rank_compiles_its_own():
+    """An executable loaded from JAX's persistent cache serializes without its code, so
+    with the cache on (as in this test session) the ranks do not share, and each
+    module still computes what it should."""
+    x = jnp.ones((4, 8), jnp.float32)
+    per_rank = [{"F": _lowered(2.0)}, {"F": _lowered(2.0)}]
+    results = _run_ranks(per_rank)
+    for (exes, report), error in results:
+        assert error is None
+        assert report == {"compiled": 1, "received": 0, "needed": 1, "distinct": 1}
+        np.testing.assert_array_equal(exes["F"](x)[0], jnp.tanh(x * 2.0))
+
+
+def test_without_a_communicator_every_module_is_compiled_here():
+    exes, report = compile_lowered({"F": _lowered(2.0)}, None, None,
+                                   devices=jax.devices()[:1])
+    assert report == {"compiled": 1, "received": 0, "needed": 1, "distinct": 1}
+    with pytest.raises(ValueError, match="lowering failed"):
+        compile_lowered(None, ValueError("lowering failed"), None, devices=jax.devices()[:1])
+    assert set(exes) == {"F"}
+
+
+def test_digests_differ_with_the_devices_and_the_options():
+    low = _lowered(2.0)
+    base = shared_compiles.digest(low, jax.devices()[:1], None)
+    assert base == shared_compiles.digest(_lowered(2.0), jax.devices()[:1], None)
+    assert base != shared_compiles.digest(_lowered(3.0), jax.devices()[:1], None)
+    fast = {"xla_cpu_enable_fast_math": True}
+    assert base != shared_compiles.digest(low, jax.devices()[:1], fast)
+    assert base != shared_compiles.digest(low, jax.devices()[1:2], None)
