@@ -60,8 +60,14 @@ def digest(lowered: jax.stages.Lowered, devices: Sequence[Any],
       devices: the devices it is compiled for (their platform, kind and ids count).
       compiler_options: the XLA options it is compiled with.
     """
+    return _digest(lowered.as_text(), devices, compiler_options)
+
+
+def _digest(text: str, devices: Sequence[Any],
+            compiler_options: Mapping[str, Any] | None) -> str:
+    """`digest` of a module whose text is `text`."""
     where = [(d.platform, getattr(d, "device_kind", ""), d.id) for d in devices]
-    parts = (lowered.as_text(), repr(sorted((compiler_options or {}).items())), repr(where),
+    parts = (text, repr(sorted((compiler_options or {}).items())), repr(where),
              os.environ.get("XLA_FLAGS", ""), jax.__version__)
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()
 
@@ -174,8 +180,9 @@ def compile_lowered(
     if error is None and willing:
         try:
             for name, low in lowered.items():
-                digests[name] = digest(low, devices, options)
-                costs[digests[name]] = len(low.as_text())
+                text = low.as_text()
+                digests[name] = _digest(text, devices, options)
+                costs[digests[name]] = len(text)
         except Exception as e:  # noqa: BLE001 - raised on every rank just below
             error = e
     agree.wait_idle(comm, LABEL)
