@@ -9,12 +9,12 @@ import hashlib
 import os
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import jax.numpy as jnp
 import pytest
 from models import make_step, mlp
+from thread_comm import on_thread_ranks
 
 import jaxpp_mpi
 from jaxpp_mpi._src import agree
@@ -37,41 +37,12 @@ def _plan(sign: float = 1.0, scale: float = 1.0):
     return build_step(step_fn, (opt.init(params), params, batch), 2)
 
 
-class ThreadComm:
-    """One rank's end of an in-process communicator whose ranks are threads."""
-
-    def __init__(self, rank: int, shared: dict):
-        self.rank, self.shared = rank, shared
-
-    def Get_rank(self) -> int:  # noqa: N802 - mpi4py's name
-        return self.rank
-
-    def allgather(self, obj):
-        s = self.shared
-        s["slots"][self.rank] = obj
-        s["barrier"].wait()
-        out = list(s["slots"])
-        s["barrier"].wait()
-        return out
-
-
 def _agree_on_two_ranks(plans) -> list[BaseException | None]:
-    shared = {"slots": [None, None], "barrier": threading.Barrier(2, timeout=60)}
-    errors: list[BaseException | None] = [None, None]
+    def rank(r: int, comm) -> None:
+        agree.agree_on_program(plans[r].program, comm,
+                               computations=lambda: step_texts(plans[r]))
 
-    def rank(r: int) -> None:
-        try:
-            agree.agree_on_program(plans[r].program, ThreadComm(r, shared),
-                                   computations=lambda: step_texts(plans[r]))
-        except BaseException as e:  # noqa: BLE001 - the test looks at it
-            errors[r] = e
-
-    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return errors
+    return [error for _, error in on_thread_ranks(2, rank)]
 
 
 def test_two_traces_of_one_step_give_the_same_texts_without_addresses():

@@ -4,12 +4,11 @@ threads over a stand-in communicator (the MPI runs are in tests/mpi)."""
 
 from __future__ import annotations
 
-import threading
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from thread_comm import on_thread_ranks
 
 from jaxpp_mpi._src import shared_compiles
 from jaxpp_mpi._src.errors import CompileError
@@ -32,31 +31,6 @@ def test_identical_ranks_split_their_modules():
     assert sorted(loads) == [10, 10]
 
 
-class ThreadComm:
-    """One rank's end of an in-process communicator whose ranks are threads."""
-
-    def __init__(self, rank: int, shared: dict):
-        self.rank, self.shared = rank, shared
-
-    def Get_rank(self) -> int:  # noqa: N802 - mpi4py's names
-        return self.rank
-
-    def Get_size(self) -> int:  # noqa: N802
-        return len(self.shared["slots"])
-
-    def allgather(self, obj):
-        s = self.shared
-        s["slots"][self.rank] = obj
-        s["barrier"].wait()
-        out = list(s["slots"])
-        s["barrier"].wait()
-        return out
-
-    def alltoall(self, objs):
-        everyone = self.allgather(objs)
-        return [everyone[r][self.rank] for r in range(len(everyone))]
-
-
 def _lowered(scale: float):
     f = jax.jit(lambda x: (jnp.tanh(x * scale), x.sum()))
     return f.lower(jax.ShapeDtypeStruct((4, 8), np.float32))
@@ -64,24 +38,9 @@ def _lowered(scale: float):
 
 def _run_ranks(per_rank, compile_one=None):
     """Runs `compile_lowered` on len(per_rank) thread ranks; per rank (result, error)."""
-    n = len(per_rank)
-    shared = {"slots": [None] * n, "barrier": threading.Barrier(n, timeout=60)}
-    out = [None] * n
-
-    def rank(r: int) -> None:
-        try:
-            out[r] = (compile_lowered(per_rank[r], None, ThreadComm(r, shared),
-                                      devices=jax.devices()[:1],
-                                      compile_one=compile_one and compile_one(r)), None)
-        except BaseException as e:  # noqa: BLE001 - the test looks at it
-            out[r] = (None, e)
-
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return out
+    return on_thread_ranks(len(per_rank), lambda r, comm: compile_lowered(
+        per_rank[r], None, comm, devices=jax.devices()[:1],
+        compile_one=compile_one and compile_one(r)))
 
 
 def test_two_ranks_compile_their_common_modules_once_and_get_the_same_results(
