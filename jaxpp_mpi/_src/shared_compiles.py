@@ -16,7 +16,8 @@ Note: shared compiles.
   (`jax.experimental.serialize_executable`), to the other ranks that need it, with one
   object alltoall that moves only what each rank needs; a receiver loads it
   (`deserialize_and_load`) for its own devices, which the digest says are alike.
-  - A module that cannot be serialized or loaded is compiled by each rank needing it.
+  - A module that cannot be serialized or loaded, or serializes to more than
+    `MAX_SHARED_BYTES`, is compiled by each rank needing it.
   - A compile that fails fails its owner, whose error every rank raises (one allgather
     of the outcome, as the layout pass does: `Note: raise on every rank` in agree.py),
     before the executor is built; the ranks that needed the module raise it too.
@@ -45,7 +46,8 @@ from jaxpp_mpi._src.errors import CompileError
 from jaxpp_mpi._src.runtime import failure
 from jaxpp_mpi._src.types import Comm
 
-__all__ = ["LABEL", "SharedReport", "assign_owners", "compile_lowered", "digest"]
+__all__ = ["LABEL", "MAX_SHARED_BYTES", "SharedReport", "assign_owners", "compile_lowered",
+           "digest"]
 
 LABEL = "compile barrier"
 """The deadline label of the collectives here (they follow the same local work)."""
@@ -129,14 +131,22 @@ def _failed(failed: list[int], messages: Sequence[str | None]) -> CompileError:
                         f"{messages[failed[0]]}")
 
 
+MAX_SHARED_BYTES = 1 << 30
+"""The largest serialized executable passed on (mpi4py's object messages count bytes in
+a C int); a larger one is compiled by each rank that needs it."""
+
+
 def _serialized(compiled: jax.stages.Compiled) -> Any:
     """The bytes another rank loads, or ("unsupported", why)."""
     from jax.experimental.serialize_executable import serialize
 
     try:
-        return serialize(compiled)[0]
+        payload = serialize(compiled)[0]
     except Exception as e:  # noqa: BLE001 - the receivers compile it themselves
         return ("unsupported", agree.describe(e))
+    if len(payload) > MAX_SHARED_BYTES:
+        return ("unsupported", f"{len(payload)} bytes serialized")
+    return payload
 
 
 def compile_lowered(

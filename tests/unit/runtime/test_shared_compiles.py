@@ -61,6 +61,17 @@ def test_two_ranks_compile_their_common_modules_once_and_get_the_same_results(
             np.testing.assert_array_equal(got, want)
 
 
+def test_a_module_too_large_to_pass_on_is_compiled_by_each_rank(no_persistent_cache,
+                                                                 monkeypatch):
+    monkeypatch.setattr(shared_compiles, "MAX_SHARED_BYTES", 10)
+    x = jnp.ones((4, 8), jnp.float32)
+    results = _run_ranks([{"F": _lowered(2.0)}, {"F": _lowered(2.0)}])
+    assert [report["compiled"] for (_, report), _ in results] == [1, 1]
+    for (exes, _), error in results:
+        assert error is None
+        np.testing.assert_array_equal(exes["F"](x)[0], jnp.tanh(x * 2.0))
+
+
 @pytest.mark.parametrize("cache", ["off", "on"])
 def test_a_failed_compile_raises_on_every_rank_naming_its_owner(request, cache):
     if cache == "off":
