@@ -309,12 +309,7 @@ class MpmdCompiled:
             logger.info("compiling %d executables for group %d (%d across %d groups)",
                         len(exes), g, total, plan.num_groups)
         start = time.perf_counter()
-        jobs = {name: (exe, *plan.exe_avals[g][name]) for name, exe in exes.items()
-                if name not in shared and name not in self._executables[g]}
-        for name, (plain, fill) in shared.items():
-            states = plan.exe_avals[g][plain][0][len(plan.exe_avals[g][name][0]):]
-            jobs[name + _FILL] = (fill, (), states)
-        built = self._compile_jobs(g, jobs, report)
+        built = self._compile_jobs(g, self._group_jobs(g, shared), report)
         mine = {**{name: e for name, e in self._executables[g].items() if name in exes},
                 **built}
         for name, (plain, _) in shared.items():
@@ -324,6 +319,21 @@ class MpmdCompiled:
                         "as their plain variant)", g, len(exes), len(exes),
                         time.perf_counter() - start, len(shared))
         return {name: mine[name] for name in exes}
+
+    def _group_jobs(self, g: int, shared: dict[str, tuple[str, Exe]] | None = None
+                    ) -> dict[str, tuple[Exe, Sequence[Aval], Sequence[Aval]]]:
+        """What compiling group `g`'s executables takes: name -> (executable, input
+        avals, output avals), a `_first` variant built from its plain one as the
+        identity fill `NAME/fill`; those the layout pass compiled left out. `shared`:
+        `_shared_variants(g)`, when known."""
+        plan = self.plan
+        shared = self._shared_variants(g) if shared is None else shared
+        jobs = {name: (exe, *plan.exe_avals[g][name]) for name, exe in plan.exes[g].items()
+                if name not in shared and name not in self._executables[g]}
+        for name, (plain, fill) in shared.items():
+            states = plan.exe_avals[g][plain][0][len(plan.exe_avals[g][name][0]):]
+            jobs[name + _FILL] = (fill, (), states)
+        return jobs
 
     def _compile_jobs(self, g: int, jobs: dict[str, tuple[Exe, Sequence[Aval], Sequence[Aval]]],
                       report: bool) -> dict[str, Any]:
@@ -343,7 +353,8 @@ class MpmdCompiled:
                                 now - start)
                     last = now
             self.shared_report = shared_compiles.SharedReport(
-                compiled=len(jobs), received=0, needed=len(jobs), distinct=len(jobs))
+                compiled=len(jobs), helped=0, received=0, needed=len(jobs),
+                distinct=len(jobs))
             return out
         lowered, error = None, None
         try:
@@ -351,9 +362,15 @@ class MpmdCompiled:
                        for name, (exe, ins, outs) in jobs.items()}
         except Exception as e:  # noqa: BLE001 - raised on every rank by compile_lowered
             error = e
+        def lower_for(rank: int, name: str) -> jax.stages.Lowered:
+            # Another rank's module, for this group's devices (every group has the same
+            # shape): job rank = replica x groups + group (`Note: Pipeline replicas`).
+            exe, ins, outs = self._group_jobs(rank % self.plan.num_groups)[name]
+            return lower_exe(exe, ins, outs, sharding)
+
         built, self.shared_report = shared_compiles.compile_lowered(
             lowered, error, self.mesh.job_comm, devices=list(self._auto_mesh(g).devices.flat),
-            compiler_options=self._compiler_options)
+            compiler_options=self._compiler_options, lower_for=lower_for)
         if report:
             logger.info("group %d: %d distinct modules, %d compiled here, %d by other ranks "
                         "(%d distinct across the job)", g, self.shared_report["needed"],

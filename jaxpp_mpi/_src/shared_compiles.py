@@ -74,16 +74,22 @@ def _digest(text: str, devices: Sequence[Any],
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()
 
 
-def assign_owners(wants: Sequence[Mapping[str, int]]) -> dict[str, int]:
+def assign_owners(wants: Sequence[Mapping[str, int]], helpers: bool = False
+                  ) -> dict[str, int]:
     """digest -> the rank that compiles it (`Note: shared compiles`).
+
+    Largest first, each module goes to the least loaded of the ranks that need it, or,
+    with `helpers`, to the least loaded rank of all where that rank would be done with
+    it before the best of those even starts it.
 
     Args:
       wants: per rank, the digests it needs with their costs (the same cost for the
         same digest on every rank).
+      helpers: whether a rank may compile a module it does not need.
 
     Returns:
-      For every digest some rank needs, one of the ranks that need it; the same on
-      every rank given the same `wants`.
+      For every digest some rank needs, the rank that compiles it; the same on every
+      rank given the same `wants`.
     """
     needers: dict[str, tuple[int, list[int]]] = {}
     for r, mine in enumerate(wants):
@@ -91,22 +97,19 @@ def assign_owners(wants: Sequence[Mapping[str, int]]) -> dict[str, int]:
             needers.setdefault(d, (cost, []))[1].append(r)
     load = [0] * len(wants)
     owner = {}
-    for d, (cost, ranks) in needers.items():
-        if len(ranks) == 1:
-            owner[d] = ranks[0]
-            load[ranks[0]] += cost
-    shared = sorted(((cost, d, ranks) for d, (cost, ranks) in needers.items() if len(ranks) > 1),
-                    key=lambda x: (-x[0], x[1]))
-    for cost, d, ranks in shared:
-        owner[d] = min(ranks, key=lambda r: (load[r], r))
+    for d, (cost, ranks) in sorted(needers.items(), key=lambda x: (-x[1][0], x[0])):
+        best = min(ranks, key=lambda r: (load[r], r))
+        anyone = min(range(len(wants)), key=lambda r: (load[r], r))
+        owner[d] = anyone if helpers and load[anyone] + cost <= load[best] else best
         load[owner[d]] += cost
     return owner
 
 
 class SharedReport(dict):
     """What one rank's `compile_lowered` did: `compiled` (XLA compiles it ran),
-    `received` (modules loaded from another rank's compile), `needed` (distinct modules
-    this rank needed) and `distinct` (distinct modules the whole job needed)."""
+    `helped` (of those, modules only other ranks need), `received` (modules loaded from
+    another rank's compile), `needed` (distinct modules this rank needed) and `distinct`
+    (distinct modules the whole job needed)."""
 
 
 def _compile_here(lowered: Mapping[str, jax.stages.Lowered],
@@ -114,7 +117,7 @@ def _compile_here(lowered: Mapping[str, jax.stages.Lowered],
                   ) -> tuple[dict[str, jax.stages.Compiled], SharedReport]:
     """Every module compiled by this rank (`compile_lowered` without sharing)."""
     out = {name: compile_one(low) for name, low in lowered.items()}
-    return out, SharedReport(compiled=len(out), received=0, needed=len(out),
+    return out, SharedReport(compiled=len(out), helped=0, received=0, needed=len(out),
                              distinct=len(out))
 
 
@@ -157,6 +160,7 @@ def compile_lowered(
     devices: Sequence[Any],
     compiler_options: Mapping[str, Any] | None = None,
     compile_one: Callable[[jax.stages.Lowered], jax.stages.Compiled] | None = None,
+    lower_for: Callable[[int, str], jax.stages.Lowered] | None = None,
 ) -> tuple[dict[str, jax.stages.Compiled], SharedReport]:
     """Compiles `lowered` (name -> module), sharing the work with the ranks of `comm`
     that need the same modules (`Note: shared compiles`). Every rank of `comm` calls it.
@@ -169,6 +173,10 @@ def compile_lowered(
         assignment's order (a received module is loaded for them).
       compiler_options: XLA options, as `Lowered.compile` takes them.
       compile_one: compiles one module (default: `Lowered.compile` with the options).
+      lower_for: `(rank r, name)` -> rank r's module `name`, lowered here for this
+        rank's devices; given, this rank may compile modules it does not need, where
+        that ends sooner (`assign_owners`). A module whose digest comes out other than
+        rank r's is left to the ranks that need it.
 
     Returns:
       (name -> compiled executable, this rank's report).
@@ -186,19 +194,20 @@ def compile_lowered(
     started = time.perf_counter()
     me = comm.Get_rank()
     willing = config.options().shared_compiles and not _persistent_cache_on(devices)
-    digests, costs = {}, {}
+    digests, costs, names = {}, {}, {}
     if error is None and willing:
         try:
             for name, low in lowered.items():
                 text = low.as_text()
                 digests[name] = _digest(text, devices, options)
                 costs[digests[name]] = len(text)
+                names.setdefault(digests[name], name)
         except Exception as e:  # noqa: BLE001 - raised on every rank just below
             error = e
     agree.wait_idle(comm, LABEL)
-    gathered = agree.allgather_or_raise((willing, costs), error, comm, _failed, own="if_all",
-                                        label=LABEL)
-    if not all(w for w, _ in gathered):  # some rank does not share: each compiles its own
+    gathered = agree.allgather_or_raise((willing, costs, names), error, comm, _failed,
+                                        own="if_all", label=LABEL)
+    if not all(w for w, _, _ in gathered):  # some rank does not share: each its own
         try:
             out, error = _compile_here(lowered, compile_one), None
         except Exception as e:  # noqa: BLE001 - raised on every rank just below
@@ -207,24 +216,41 @@ def compile_lowered(
         agree.wait_idle(comm, LABEL)
         agree.raise_if_any(error, comm, _failed, own="if_all", label=LABEL)
         return out
-    wants = [costs for _, costs in gathered]
-    owner = assign_owners(wants)
-    first = {}  # digest -> one of this rank's names for it
-    for name, d in digests.items():
-        first.setdefault(d, name)
+    wants = [costs for _, costs, _ in gathered]
+    owner = assign_owners(wants, helpers=lower_for is not None)
+    first = names  # digest -> one of this rank's names for it
     done: dict[str, jax.stages.Compiled] = {}
-    errors: dict[str, str] = {}
-    for d, name in first.items():
-        if owner[d] == me:
+    errors: dict[str, str] = {}  # this rank's own failed compiles
+    left: dict[str, str] = {}  # modules helped with here that their ranks compile
+    compiled_here = 0
+    for d in (d for d, r in owner.items() if r == me):
+        if d in first:
+            low = lowered[first[d]]
+        else:  # another rank's module (`lower_for`)
+            r = next(r for r, theirs in enumerate(wants) if d in theirs)
             try:
-                done[d] = compile_one(lowered[name])
-            except Exception as e:  # noqa: BLE001 - sent to whoever needs it
+                low = lower_for(r, gathered[r][2][d])
+                if _digest(low.as_text(), devices, options) != d:
+                    left[d] = "lowered otherwise here"
+                    continue
+            except Exception as e:  # noqa: BLE001 - the ranks that need it compile it
+                left[d] = agree.describe(e)
+                continue
+        compiled_here += 1
+        try:
+            done[d] = compile_one(low)
+        except Exception as e:  # noqa: BLE001 - sent to whoever needs it
+            if d in first:
                 errors[d] = agree.describe(e)
+            else:
+                left[d] = agree.describe(e)
     outgoing: list[dict[str, Any]] = [{} for _ in wants]
     for r, theirs in enumerate(wants):
         for d in theirs:
             if r != me and owner[d] == me:
-                outgoing[r][d] = ("error", errors[d]) if d in errors else _serialized(done[d])
+                outgoing[r][d] = (("error", errors[d]) if d in errors else
+                                  ("unsupported", left[d]) if d in left else
+                                  _serialized(done[d]))
     failure.record_work(LABEL, time.perf_counter() - started)
     agree.wait_idle(comm, LABEL)  # Note: idle waits
     with failure.deadline(LABEL, comm):
@@ -247,12 +273,13 @@ def compile_lowered(
                 continue
         except Exception:  # noqa: BLE001, S110 - compiled here instead, just below
             pass
+        compiled_here += 1
         try:
             done[d] = compile_one(lowered[name])
         except Exception as e:  # noqa: BLE001 - raised on every rank just below
             errors[d] = agree.describe(e)
     failed = CompileError(next(iter(errors.values()))) if errors else None
     agree.raise_if_any(failed, comm, _failed, own="if_all", label=LABEL)
-    report = SharedReport(compiled=len(first) - received, received=received,
-                          needed=len(first), distinct=len(owner))
+    report = SharedReport(compiled=compiled_here, helped=sum(d not in first for d in done),
+                          received=received, needed=len(first), distinct=len(owner))
     return {name: done[d] for name, d in digests.items()}, report

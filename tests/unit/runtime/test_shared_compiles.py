@@ -24,6 +24,16 @@ def test_a_module_one_rank_needs_stays_there_and_shared_ones_even_the_load():
         assert d in wants[r]  # only a rank that needs a module compiles it
 
 
+def test_helpers_take_modules_only_where_they_end_sooner():
+    wants = [{"big": 10, "mid": 6, "small": 1}, {}, {"other": 3}]
+    assert assign_owners(wants) == {"big": 0, "mid": 0, "small": 0, "other": 2}
+    # Largest first. Rank 1 needs nothing: it takes "mid" (it is done at 6, before rank
+    # 0, busy with "big" until 10, would start it); "other" stays with rank 2 (idle);
+    # rank 2 then ends "small" at 4, before rank 0 would start it.
+    assert assign_owners(wants, helpers=True) == {"big": 0, "mid": 1, "small": 2,
+                                                   "other": 2}
+
+
 def test_identical_ranks_split_their_modules():
     wants = [{"f": 9, "b": 7, "post": 3, "fill": 1}] * 2
     owner = assign_owners(wants)
@@ -59,6 +69,27 @@ def test_two_ranks_compile_their_common_modules_once_and_get_the_same_results(
                            (jnp.tanh(v * s), v.sum()))(x)
         for got, want in zip(exe(x), expected):
             np.testing.assert_array_equal(got, want)
+
+
+def test_a_rank_with_nothing_of_its_own_compiles_for_another(no_persistent_cache):
+    x = jnp.arange(32, dtype=jnp.float32).reshape(4, 8) / 7
+    scales = {"A": 2.0, "B": 3.0}
+    per_rank = [{name: _lowered(sc) for name, sc in scales.items()}, {}]
+    lowered_by = []
+
+    def lower_for(rank, name):
+        lowered_by.append((rank, name))
+        return _lowered(scales[name])
+
+    results = on_thread_ranks(2, lambda r, comm: compile_lowered(
+        per_rank[r], None, comm, devices=jax.devices()[:1], lower_for=lower_for))
+    (exes, rep0), e0 = results[0]
+    (_, rep1), e1 = results[1]
+    assert e0 is None and e1 is None, (e0, e1)
+    assert rep1["compiled"] == rep1["helped"] == 1 and rep0["received"] == 1, (rep0, rep1)
+    assert rep0["compiled"] == 1 and lowered_by == [(0, lowered_by[0][1])]
+    for name, exe in exes.items():
+        np.testing.assert_array_equal(exe(x)[0], jnp.tanh(x * scales[name]))
 
 
 def test_a_module_too_large_to_pass_on_is_compiled_by_each_rank(no_persistent_cache,
@@ -102,14 +133,14 @@ def test_with_the_persistent_cache_every_rank_compiles_its_own():
     results = _run_ranks(per_rank)
     for (exes, report), error in results:
         assert error is None
-        assert report == {"compiled": 1, "received": 0, "needed": 1, "distinct": 1}
+        assert report == {"compiled": 1, "helped": 0, "received": 0, "needed": 1, "distinct": 1}
         np.testing.assert_array_equal(exes["F"](x)[0], jnp.tanh(x * 2.0))
 
 
 def test_without_a_communicator_every_module_is_compiled_here():
     exes, report = compile_lowered({"F": _lowered(2.0)}, None, None,
                                    devices=jax.devices()[:1])
-    assert report == {"compiled": 1, "received": 0, "needed": 1, "distinct": 1}
+    assert report == {"compiled": 1, "helped": 0, "received": 0, "needed": 1, "distinct": 1}
     with pytest.raises(ValueError, match="lowering failed"):
         compile_lowered(None, ValueError("lowering failed"), None, devices=jax.devices()[:1])
     assert set(exes) == {"F"}
