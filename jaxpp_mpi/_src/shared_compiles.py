@@ -9,15 +9,18 @@ Note: shared compiles.
   lower their executables (cheap) and allgather a digest of each: the module's text,
   the compiler options, the platform, kind and ids of the devices it is compiled for,
   XLA_FLAGS and JAX's version (any difference only costs the sharing). Each distinct
-  digest is compiled by one of the ranks that need it: a module only one rank needs
-  stays with it, the shared ones go, largest first (the module text's length as the
-  cost), to the least loaded of the ranks that need them, so the ranks' compile work
-  stays even. The owners send each module, serialized
-  (`jax.experimental.serialize_executable`), to the other ranks that need it, with one
-  object alltoall that moves only what each rank needs; a receiver loads it
-  (`deserialize_and_load`) for its own devices, which the digest says are alike.
+  digest is compiled once: largest first (the module text's length as the cost), by
+  the least loaded of the ranks that need it, or by the least loaded rank of all where
+  that rank would be done with it before those would start it (a rank whose modules
+  others compile helps the first and last stages, which no other rank shares). A
+  helper lowers the module itself, for its own devices (every group has the same
+  shape), and compiles it only if its digest is the same. The owners send each module,
+  serialized (`jax.experimental.serialize_executable`), to the other ranks that need
+  it, with one object alltoall that moves only what each rank needs; a receiver loads
+  it (`deserialize_and_load`) for its own devices, which the digest says are alike.
   - A module that cannot be serialized or loaded, or serializes to more than
-    `MAX_SHARED_BYTES`, is compiled by each rank needing it.
+    `MAX_SHARED_BYTES`, or that a helper could not lower alike or compile, is compiled
+    by each rank needing it.
   - A compile that fails fails its owner, whose error every rank raises (one allgather
     of the outcome, as the layout pass does: `Note: raise on every rank` in agree.py),
     before the executor is built; the ranks that needed the module raise it too.
