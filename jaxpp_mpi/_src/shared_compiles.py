@@ -9,7 +9,7 @@ Note: shared compiles.
   lower their executables (cheap) and allgather a digest of each: the module's text,
   the compiler options, the platform, kind and ids of the devices it is compiled for,
   XLA_FLAGS and JAX's version (any difference only costs the sharing). Each distinct
-  digest is compiled once: largest first (the module text's length as the cost), by
+  digest is compiled once: largest first (`module_cost`, from the module's text), by
   the least loaded of the ranks that need it, or by the least loaded rank of all where
   that rank would be done with it before those would start it (a rank whose modules
   others compile helps the first and last stages, which no other rank shares). A
@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -50,7 +51,7 @@ from jaxpp_mpi._src.runtime import failure
 from jaxpp_mpi._src.types import Comm
 
 __all__ = ["LABEL", "MAX_SHARED_BYTES", "SharedReport", "assign_owners", "compile_lowered",
-           "digest"]
+           "digest", "module_cost"]
 
 LABEL = "compile barrier"
 """The deadline label of the collectives here (they follow the same local work)."""
@@ -75,6 +76,22 @@ def _digest(text: str, devices: Sequence[Any],
     parts = (text, repr(sorted((compiler_options or {}).items())), repr(where),
              os.environ.get("XLA_FLAGS", ""), jax.__version__)
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()
+
+
+_KERNEL_ROOTS = re.compile(
+    r"\b(?:stablehlo|chlo)\.(?:dot_general|dot|convolution|reduce|reduce_window|transpose|"
+    r"gather|scatter|sort|select_and_scatter|custom_call|while|case|if|fft|all_reduce|"
+    r"all_gather|reduce_scatter|all_to_all|collective_permute)\b")
+
+
+def module_cost(text: str) -> int:
+    """A module's compile cost, in rough units of one XLA kernel, from its StableHLO text:
+    2 for the module, 1 per op that starts a kernel of its own (dots, reductions,
+    transposes, gathers, control flow, collectives: elementwise ops fuse into them) and
+    1 per result (each is written by a kernel). On the 4-stage example the compile times
+    per unit of the modules of one rank are 0.020-0.035 s (text length, by contrast,
+    ranks an optimizer update above a forward that takes 3x as long to compile)."""
+    return 2 + len(_KERNEL_ROOTS.findall(text)) + text.count("jax.result_info")
 
 
 def assign_owners(wants: Sequence[Mapping[str, int]], helpers: bool = False
@@ -203,7 +220,7 @@ def compile_lowered(
             for name, low in lowered.items():
                 text = low.as_text()
                 digests[name] = _digest(text, devices, options)
-                costs[digests[name]] = len(text)
+                costs[digests[name]] = module_cost(text)
                 names.setdefault(digests[name], name)
         except Exception as e:  # noqa: BLE001 - raised on every rank just below
             error = e
