@@ -154,3 +154,12 @@ def test_digests_differ_with_the_devices_and_the_options():
     fast = {"xla_cpu_enable_fast_math": True}
     assert base != shared_compiles.digest(low, jax.devices()[:1], fast)
     assert base != shared_compiles.digest(low, jax.devices()[1:2], None)
+
+
+def test_module_cost_counts_kernels_not_text():
+    x = jax.ShapeDtypeStruct((8, 8), np.float32)
+    dot = jax.jit(lambda a, b: (a @ b, a.sum())).lower(x, x).as_text()
+    # the module, a dot, a reduction, two results
+    assert shared_compiles.module_cost(dot) == 2 + 2 + 2
+    elementwise = jax.jit(lambda a: jnp.tanh(a * 3 + 1) * 2 - a).lower(x).as_text()
+    assert shared_compiles.module_cost(elementwise) == 2 + 0 + 1
