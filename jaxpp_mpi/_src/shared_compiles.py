@@ -10,14 +10,15 @@ Note: shared compiles.
   the compiler options, the platform, kind and ids of the devices it is compiled for,
   XLA_FLAGS and JAX's version (any difference only costs the sharing). Each distinct
   digest is compiled once: largest first (`module_cost`, from the module's text), by
-  the least loaded of the ranks that need it, or by the least loaded rank of all where
-  that rank would be done with it before those would start it (a rank whose modules
-  others compile helps the first and last stages, which no other rank shares). A
-  helper lowers the module itself, for its own devices (every group has the same
-  shape), and compiles it only if its digest is the same. The owners send each module,
-  serialized (`jax.experimental.serialize_executable`), to the other ranks that need
-  it, with one object alltoall that moves only what each rank needs; a receiver loads
-  it (`deserialize_and_load`) for its own devices, which the digest says are alike.
+  the least loaded of the ranks that need it, or by the least loaded rank with the
+  same devices where that rank would be done with it before they would start it (a
+  rank whose modules others compile helps the first and last stages, which no other
+  rank shares). A helper lowers the module itself, for its own devices (every group
+  has the same shape), and compiles it only if its digest is the same. The owners send
+  each module, serialized (`jax.experimental.serialize_executable`), to the other
+  ranks that need it, with one object alltoall that moves only what each rank needs; a
+  receiver loads it (`deserialize_and_load`) for its own devices, which the digest
+  says are alike.
   - A module that cannot be serialized or loaded, or serializes to more than
     `MAX_SHARED_BYTES`, or that a helper could not lower alike or compile, is compiled
     by each rank needing it.
@@ -69,11 +70,15 @@ def digest(lowered: jax.stages.Lowered, devices: Sequence[Any],
     return _digest(lowered.as_text(), devices, compiler_options)
 
 
+def _where(devices: Sequence[Any]) -> str:
+    """The platform, kind and id of each device, as text."""
+    return repr([(d.platform, getattr(d, "device_kind", ""), d.id) for d in devices])
+
+
 def _digest(text: str, devices: Sequence[Any],
             compiler_options: Mapping[str, Any] | None) -> str:
     """`digest` of a module whose text is `text`."""
-    where = [(d.platform, getattr(d, "device_kind", ""), d.id) for d in devices]
-    parts = (text, repr(sorted((compiler_options or {}).items())), repr(where),
+    parts = (text, repr(sorted((compiler_options or {}).items())), _where(devices),
              os.environ.get("XLA_FLAGS", ""), jax.__version__)
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()
 
@@ -94,8 +99,8 @@ def module_cost(text: str) -> int:
     return 2 + len(_KERNEL_ROOTS.findall(text)) + text.count("jax.result_info")
 
 
-def assign_owners(wants: Sequence[Mapping[str, int]], helpers: bool = False
-                  ) -> dict[str, int]:
+def assign_owners(wants: Sequence[Mapping[str, int]], helpers: bool = False,
+                  where: Sequence[str] | None = None) -> dict[str, int]:
     """digest -> the rank that compiles it (`Note: shared compiles`).
 
     Largest first, each module goes to the least loaded of the ranks that need it, or,
@@ -106,6 +111,8 @@ def assign_owners(wants: Sequence[Mapping[str, int]], helpers: bool = False
       wants: per rank, the digests it needs with their costs (the same cost for the
         same digest on every rank).
       helpers: whether a rank may compile a module it does not need.
+      where: per rank, its devices (`_where`): a helper's must be those of the ranks
+        that need the module, or it would lower the module otherwise.
 
     Returns:
       For every digest some rank needs, the rank that compiles it; the same on every
@@ -119,7 +126,8 @@ def assign_owners(wants: Sequence[Mapping[str, int]], helpers: bool = False
     owner = {}
     for d, (cost, ranks) in sorted(needers.items(), key=lambda x: (-x[1][0], x[0])):
         best = min(ranks, key=lambda r: (load[r], r))
-        anyone = min(range(len(wants)), key=lambda r: (load[r], r))
+        alike = [r for r in range(len(wants)) if where is None or where[r] == where[best]]
+        anyone = min(alike, key=lambda r: (load[r], r))
         owner[d] = anyone if helpers and load[anyone] + cost <= load[best] else best
         load[owner[d]] += cost
     return owner
@@ -225,9 +233,9 @@ def compile_lowered(
         except Exception as e:  # noqa: BLE001 - raised on every rank just below
             error = e
     agree.wait_idle(comm, LABEL)
-    gathered = agree.allgather_or_raise((willing, costs, names), error, comm, _failed,
-                                        own="if_all", label=LABEL)
-    if not all(w for w, _, _ in gathered):  # some rank does not share: each its own
+    gathered = agree.allgather_or_raise((willing, costs, names, _where(devices)), error,
+                                        comm, _failed, own="if_all", label=LABEL)
+    if not all(g[0] for g in gathered):  # some rank does not share: each its own
         try:
             out, error = _compile_here(lowered, compile_one), None
         except Exception as e:  # noqa: BLE001 - raised on every rank just below
@@ -236,8 +244,8 @@ def compile_lowered(
         agree.wait_idle(comm, LABEL)
         agree.raise_if_any(error, comm, _failed, own="if_all", label=LABEL)
         return out
-    wants = [costs for _, costs, _ in gathered]
-    owner = assign_owners(wants, helpers=lower_for is not None)
+    wants = [g[1] for g in gathered]
+    owner = assign_owners(wants, helpers=lower_for is not None, where=[g[3] for g in gathered])
     first = names  # digest -> one of this rank's names for it
     done: dict[str, jax.stages.Compiled] = {}
     errors: dict[str, str] = {}  # this rank's own failed compiles

@@ -34,6 +34,12 @@ def test_helpers_take_modules_only_where_they_end_sooner():
                                                    "other": 2}
 
 
+def test_helpers_are_ranks_with_the_same_devices():
+    wants = [{"big": 10, "mid": 6}, {}, {}]
+    where = ["gpu0", "gpu1", "gpu0"]  # rank 1 would lower the module for other devices
+    assert assign_owners(wants, helpers=True, where=where) == {"big": 0, "mid": 2}
+
+
 def test_identical_ranks_split_their_modules():
     wants = [{"f": 9, "b": 7, "post": 3, "fill": 1}] * 2
     owner = assign_owners(wants)
