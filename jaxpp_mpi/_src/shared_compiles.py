@@ -180,6 +180,22 @@ def _serialized(compiled: jax.stages.Compiled) -> Any:
     return payload
 
 
+def _loaded(got: Any, lowered: jax.stages.Lowered, devices: Sequence[Any]
+            ) -> jax.stages.Compiled | None:
+    """The executable another rank sent (`got`, its serialized bytes) loaded for
+    `devices`, or None where it sent none or it does not load (then this rank compiles
+    `lowered` itself)."""
+    if not isinstance(got, (bytes, bytearray)):
+        return None
+    from jax.experimental.serialize_executable import deserialize_and_load
+
+    try:
+        return deserialize_and_load(got, lowered.in_tree, lowered.out_tree,
+                                    execution_devices=list(devices))
+    except Exception:  # noqa: BLE001 - the caller compiles it instead
+        return None
+
+
 def compile_lowered(
     lowered: Mapping[str, jax.stages.Lowered] | None,
     error: BaseException | None,
@@ -290,18 +306,12 @@ def compile_lowered(
         got = incoming[owner[d]].get(d)
         if isinstance(got, tuple) and got and got[0] == "error":
             continue  # its owner failed: every rank raises just below, naming it
-        try:
-            if isinstance(got, (bytes, bytearray)):
-                from jax.experimental.serialize_executable import deserialize_and_load
-
-                low = lowered[name]
-                done[d] = deserialize_and_load(got, low.in_tree, low.out_tree,
-                                               execution_devices=list(devices))
-                received += 1
-                continue
-        except Exception:  # noqa: BLE001, S110 - compiled here instead, just below
-            pass
-        compiled_here += 1
+        loaded = _loaded(got, lowered[name], devices)
+        if loaded is not None:
+            done[d] = loaded
+            received += 1
+            continue
+        compiled_here += 1  # not passed on, or not loadable: compiled here
         try:
             done[d] = compile_one(lowered[name])
         except Exception as e:  # noqa: BLE001 - raised on every rank just below
