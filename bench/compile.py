@@ -151,18 +151,26 @@ class Probe:
 
         from jaxpp_mpi._src import agree, api, compiled
         from jaxpp_mpi._src.compiler import build as build_mod
+        from jaxpp_mpi._src.compiler import deferred
 
         self._wrap(build_mod, "trace_step", "trace")
         self._wrap(api, "build_step", "plan")
         self._wrap(agree, "agree_on_program", "agree")
-        self._wrap(compiled.MpmdCompiled, "_infer_layouts", "layouts")
         self._wrap(compiled.MpmdCompiled, "_make_executor", "executor")
-        self._wrap(compiled.MpmdCompiled, "_compile_group", "compile_group")
-        self._wrap(compiled, "compile_exe", "compile_exe")
+        try:  # group_compiler.py; compiled.py in older trees (the baseline)
+            from jaxpp_mpi._src import group_compiler as passes
+            owner = passes.GroupCompiler
+            names = ("infer_layouts", "_compile_group")
+        except ImportError:
+            passes, owner, names = compiled, compiled.MpmdCompiled, ("_infer_layouts",
+                                                                     "_compile_group")
+        self._wrap(owner, names[0], "layouts")
+        self._wrap(owner, names[1], "compile_group")
+        self._wrap(passes, "compile_exe", "compile_exe")
         shared = getattr(compiled, "shared_compiles", None)  # absent in older trees
         if shared is not None:
             self._wrap(shared, "compile_lowered", "compile_exe")
-        self._wrap(compiled.deferred, "compile_deferred", "compile_exe")
+        self._wrap(deferred, "compile_deferred", "compile_exe")
         self._wrap(jax.stages.Lowered, "compile", "xla_compile")
         try:
             yield self

@@ -12,7 +12,7 @@ import jax
 from models import assert_close_to_reference, make_step, mlp, run_steps, schedule
 
 import jaxpp_mpi as jp
-from jaxpp_mpi._src import compiled as compiled_module
+from jaxpp_mpi._src import group_compiler as compiler_module
 
 
 def test_first_variants_get_no_compile_of_their_own(monkeypatch):
@@ -20,13 +20,13 @@ def test_first_variants_get_no_compile_of_their_own(monkeypatch):
     params, batch, loss_fn = mlp(2, 4)
     step, optimizer = make_step(loss_fn, sched)
     built = []
-    compile_exe = compiled_module.compile_exe
+    compile_exe = compiler_module.compile_exe
 
     def recording(exe, *args, **kwargs):
         built.append(exe)
         return compile_exe(exe, *args, **kwargs)
 
-    monkeypatch.setattr(compiled_module, "compile_exe", recording)
+    monkeypatch.setattr(compiler_module, "compile_exe", recording)
     mesh = jp.MpmdMesh(jax.make_mesh((2, 1), ("stage", "data")), "stage")
     pipelined = jp.mpmd_jit_with_loop(step, mpmd_mesh=mesh).compile(
         optimizer.init(params), params, batch

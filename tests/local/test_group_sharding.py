@@ -196,7 +196,7 @@ def test_each_executable_is_compiled_once(monkeypatch):
     reduction`): none is compiled again afterwards."""
     from collections import Counter
 
-    from jaxpp_mpi._src import compiled as compiled_mod
+    from jaxpp_mpi._src import group_compiler
     from jaxpp_mpi._src.compiler import deferred
 
     counts: Counter = Counter()
@@ -207,14 +207,14 @@ def test_each_executable_is_compiled_once(monkeypatch):
             return fn(exe, *args, **kwargs)
         return wrapped
 
-    monkeypatch.setattr(compiled_mod, "compile_exe", counting(compiled_mod.compile_exe))
+    monkeypatch.setattr(group_compiler, "compile_exe", counting(group_compiler.compile_exe))
     monkeypatch.setattr(deferred, "compile_deferred", counting(deferred.compile_deferred))
     step, optimizer, params, batch, (pspecs, bspecs) = problem("mlp", "1f1b", 4)
     compiled = jp.mpmd_jit_with_loop(step, mpmd_mesh=mpmd_mesh(2, 1),
                                      in_shardings=(None, pspecs, bspecs)).compile(
         optimizer.init(params), params, batch)
     exes = {id(e): (g, n) for g, group in enumerate(compiled.plan.exes) for n, e in group.items()}
-    assert compiled._unreduced  # some families are deferred
+    assert compiled._compiler.unreduced  # some families are deferred
     assert set(counts) == set(exes), sorted(exes[k] for k in set(exes) - set(counts))
     assert max(counts.values()) == 1, sorted(exes[k] for k, c in counts.items() if c > 1)
 
@@ -240,8 +240,8 @@ def test_a_family_refused_after_its_first_variant_is_reduced_per_microbatch(monk
     got = run_steps(f, optimizer.init(params), params, batch)
     assert assert_close_to_reference(reference, got) > 0
     compiled = next(iter(f._cache.values()))
-    families = {name.split("_")[0] for _, name in compiled._unreduced}
-    assert families == {"B0"}, sorted(compiled._unreduced)
+    families = {name.split("_")[0] for _, name in compiled._compiler.unreduced}
+    assert families == {"B0"}, sorted(compiled._compiler.unreduced)
     # FB1 fell back: every variant all-reduces its microbatch's gradients (one stage's
     # w and b) besides the loss's sum and the aux's max
     b1 = [n for n in compiled.cost_analysis()[1]["per_executable"] if n.startswith("FB1")]

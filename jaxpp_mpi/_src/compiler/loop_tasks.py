@@ -39,7 +39,7 @@ Note: first variants.
   x for every x, -0.0 and NaN included; 0 for integers), `Max` -inf (the type's minimum
   for integers), `Concat` zeros (every write replaces). So where both variants run on a
   group, the compiler may build the `_first` executable from the plain one and a small
-  fill of those identities (`Exe.first_fills`; `compiled.py` does it where the layout
+  fill of those identities (`Exe.first_fills`; `group_compiler.py` does it where the layout
   pass has not already compiled both): one fewer task compile per family, the same
   results bit for bit, the program unchanged. An op without a known identity (a user's
   `Op` subclass, `Max` of a type without -inf) keeps its own `_first` executable.
