@@ -3,13 +3,20 @@
 #
 # Knobs (make VAR=value):  PYTHON (interpreter for the venv), JAXPP_MPI_MPI=wheel|system,
 # JAXPP_MPI_CUDA=auto|off|on|/path, JAX_EXTRA=cpu|cuda12|cuda13 (see tools/install.sh);
-# MPI_TIMEOUT (hard limit in seconds for each mpirun test run), PYTEST_ARGS.
+# MPI_TIMEOUT (hard limit in seconds for each mpirun test run), TEST_WORKERS, PYTEST_ARGS.
 
 VENV        ?= .venv
 PY          := $(VENV)/bin/python
 JPPRUN      := launch/jpprun
 MPI_TIMEOUT ?= 900
 PYTEST_ARGS ?=
+# Processes for the single-process tests (pytest-xdist): each mostly runs one XLA compile
+# at a time, so 2 keep a 2-core machine busy (tests/unit + tests/local: 8:08 in one
+# process, 6:01 in two, on the 2-core CI machine). A venv from before xdist was a test
+# dependency runs them in one process (`make install` adds it).
+TEST_WORKERS ?= 2
+XDIST        = $$($(PY) -c 'import xdist' 2>/dev/null && printf -- '-n %s' $(TEST_WORKERS) || \
+                 echo "pytest-xdist missing (make install adds it): one process" >&2)
 # Each MPI test run: pytest-mpi on every rank, a per-test timeout, a hard outer timeout;
 # a failure on any rank aborts the whole job (tests/conftest.py, "MPI harness"). The last
 # run gives every rank a group mesh of 2 devices (values move shard by shard); the tests of
@@ -24,8 +31,10 @@ install:
 
 test: lint test-unit test-mpi
 
+# tests/jobs start MPI jobs of their own, whose ranks take a core each: one at a time.
 test-unit: $(PY)
-	$(PY) -m pytest tests/unit tests/local tests/jobs -q $(PYTEST_ARGS)
+	$(PY) -m pytest tests/unit tests/local -q $(XDIST) $(PYTEST_ARGS)
+	$(PY) -m pytest tests/jobs -q $(PYTEST_ARGS)
 
 # -n 4 repeats what more ranks change (pipelines, transport, meshes, reshard, keys across
 # stages, fuzz); bad input, the call surface, constraints, arrays, traces, task times and
