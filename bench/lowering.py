@@ -10,7 +10,7 @@ For every schedule, 2 and 4 groups, 4, 8 and 16 microbatches, the step of
 times and message cost:
 - `lowered`: `simulate` of the compiled program (rendezvous play, blocking sends);
 - `rounds_lowered`: the same for the round order alone (`Note: global order` in
-  compiler/lower.py, the only order before `Note: timed order`), lowered again from the
+  compiler/walks.py, the only order before `Note: timed order`), lowered again from the
   program's task graph (`graph_of`);
 - `schedule`: the schedule's own dataflow timeline (`schedules.schedule_makespan`: a
   task starts when its group is free and its inputs exist).
@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/schedule
 import schedules as workload  # noqa: E402 - bench/schedules.py, no JAX import
 from _common import write_json  # noqa: E402
 
-from jaxpp_mpi._src.compiler import lower  # noqa: E402
+from jaxpp_mpi._src.compiler import lower, walks  # noqa: E402
 from jaxpp_mpi._src.compiler.task_graph import TaskGraph, TaskNode  # noqa: E402
 from jaxpp_mpi._src.ir import passes  # noqa: E402
 from jaxpp_mpi._src.ir.program import Aval, Program, Run  # noqa: E402
@@ -135,7 +135,7 @@ def graph_of(program: Program) -> TaskGraph:
 
 def round_order(graph: TaskGraph) -> Program:
     """`graph` lowered in the round order alone (the lowering before the timed order)."""
-    program, _ = lower._finish(lower._Lowering(graph))
+    program, _ = lower._finish(walks.RoundWalk(graph))
     return program
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxpp_mpi._src.compiler import lower
+from jaxpp_mpi._src.compiler import lower, task_models, walks
 from jaxpp_mpi._src.compiler.lower import (
     build_program,
     build_program_with_names,
@@ -477,15 +477,15 @@ def test_lowered_program_has_the_schedules_makespan(name, groups, num_microbatch
 def test_never_slower_than_the_round_order(name, groups, num_microbatches):
     graph = schedule_graph(SCHEDULES[name](groups), num_microbatches)
     program = build_program(graph)
-    rounds, _ = lower._finish(lower._Lowering(graph))
+    rounds, _ = lower._finish(walks.RoundWalk(graph))
     for times in (DEFAULT, SPLIT):
         latency = kind_latency(times)
         new = simulate(program, latency).makespan
         assert new <= simulate(rounds, latency, check_leaks=False).makespan
     # Every candidate order verifies on its own (no deadlock, buffers, matching).
-    for model in lower._ESTIMATES:
+    for model in task_models.ESTIMATES:
         for eager in (True, False):
-            timed = lower._TimedLowering(graph, lower._estimate(graph, model), eager)
+            timed = walks.TimedWalk(graph, task_models.estimate(graph, model), eager)
             verify(add_frees(lower._finish(timed)[0]))
 
 
@@ -587,14 +587,13 @@ def test_given_task_times_never_lose_and_approach_the_schedules_timeline(
     assert own <= t_tuned <= t_default
     assert (t_tuned < t_default) == gains
     assert t_tuned <= own * within + 1e-9
-    assert lower._makespan(tuned, lower._measured_estimate(graph, task_ms)) == pytest.approx(
-        t_tuned
-    )
+    measured = task_models.measured_estimate(graph, task_ms)
+    assert task_models.makespan(tuned, measured) == pytest.approx(t_tuned)
 
 
 def test_given_task_times_fill_missing_labels_by_kind():
     graph = schedule_graph(ZeroBubble(2), 4)
-    estimate = lower._measured_estimate(graph, {"F0s0": 2.0, "F1s0": 4.0, "W0s1": 5.0})
+    estimate = task_models.measured_estimate(graph, {"F0s0": 2.0, "F1s0": 4.0, "W0s1": 5.0})
     assert estimate["F0s0"] == 2.0
     assert estimate["F3s1"] == 3.0  # the mean of the given F tasks
     assert estimate["W2s0"] == 5.0
@@ -604,7 +603,8 @@ def test_given_task_times_fill_missing_labels_by_kind():
 def test_a_weight_task_without_its_input_task_is_timed_as_both():
     """The first stage has no I task: its W computes the stage's inner gradients too, in
     the walks' estimates and in the candidates' scores alike."""
-    times = lower._label_times({"F0s0", "W0s0", "I0s1", "W0s1", "W1s0+F2s0"}, (1.0, 2.0, 1.5, 1.0))
+    times = task_models.label_times({"F0s0", "W0s0", "I0s1", "W0s1", "W1s0+F2s0"},
+                                    (1.0, 2.0, 1.5, 1.0))
     assert times == {"F0s0": 1.0, "W0s0": 2.5, "I0s1": 1.5, "W0s1": 1.0, "W1s0+F2s0": 3.5}
 
 
@@ -612,9 +612,9 @@ def test_a_weight_task_without_its_input_task_is_timed_as_both():
 def test_posted_play_times_as_the_simulator(name):
     graph = schedule_graph(SCHEDULES[name](2), 8)
     program = build_program_with_names(graph, sends="posted")[0]
-    for model in lower._MODELS:
-        times = lower._estimate(graph, model)
-        ((makespan, _),) = lower._play(program, lambda label, t=times: (t.get(label, 0.0),),
+    for model in task_models.MODELS:
+        times = task_models.estimate(graph, model)
+        ((makespan, _),) = task_models.play(program, lambda label, t=times: (t.get(label, 0.0),),
                                        1, "posted")
         want = simulate(program, lambda run, t=times: t.get(run.task, 0.0), sends="posted")
         assert makespan == pytest.approx(want.makespan)
@@ -626,9 +626,9 @@ def test_lowered_for_posted_sends_never_slower_than_the_round_order(name, groups
     graph = schedule_graph(SCHEDULES[name](groups), 8)
     program = build_program_with_names(graph, sends="posted")[0]
     verify(program)  # still deadlock-free with blocking sends
-    rounds, _ = lower._finish(lower._Lowering(graph))
-    for model in lower._MODELS:
-        times = lower._estimate(graph, model)
+    rounds, _ = lower._finish(walks.RoundWalk(graph))
+    for model in task_models.MODELS:
+        times = task_models.estimate(graph, model)
         latency = lambda run, t=times: t.get(run.task, 0.0)  # noqa: E731
         new = simulate(program, latency, sends="posted").makespan
         assert new <= simulate(rounds, latency, check_leaks=False, sends="posted").makespan

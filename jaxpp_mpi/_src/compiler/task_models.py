@@ -1,0 +1,203 @@
+"""Task-time models, and the makespans and scores of lowered programs under them.
+
+The lowering (lower.py) walks a task graph into several candidate programs
+(walks.py) and keeps the one these scores favour (`Note: timed order` in walks.py):
+each candidate is played (`play`) with every task at its time under each model of
+`MODELS`, or at measured times (`measured_estimate`, `makespan`).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+
+from jaxpp_mpi._src.compiler.task_graph import TaskGraph
+from jaxpp_mpi._src.ir import rendezvous, simulate
+from jaxpp_mpi._src.ir.program import Program, Run
+from jaxpp_mpi._src.schedules.tasks import parse_label
+
+__all__ = ["ESTIMATES", "MODELS", "TaskModel", "dataflow_scores", "estimate", "label_kinds",
+           "label_times", "makespan", "measured_estimate", "play", "scores"]
+
+# Task-time models, (F, B, I, W) per kind letter (`kind_latency`). Each drives timed
+# walks (`ESTIMATES`: the first the one the walks used alone before); the lowering keeps
+# the candidate with the best mean over `MODELS`.
+TaskModel = tuple[float, float, float, float]
+MODELS: tuple[TaskModel, ...] = (
+    (1.0, 2.0, 1.0, 1.0),  # the schedules' defaults (`DEFAULT_LATENCIES`)
+    (1.0, 3.0, 1.0, 2.0),  # weight gradients twice the input gradients
+    (1.0, 4.0, 1.0, 3.0),  # ... three times (accumulation bound)
+    (1.0, 3.0, 2.0, 1.0),  # input gradients twice the weight gradients
+)
+ESTIMATES: tuple[TaskModel, ...] = (MODELS[1], MODELS[0], MODELS[2], MODELS[3])
+_KIND_INDEX = {"F": 0, "B": 1, "I": 2, "W": 3}
+
+
+@functools.lru_cache(maxsize=4096)
+def label_kinds(label: str) -> tuple[int, ...]:
+    """The model indexes of a task label's parts; () for a segment (no pipeline label)."""
+    try:
+        parts = parse_label(label)
+    except ValueError:
+        return ()
+    return tuple(_KIND_INDEX[p.kind] for p in parts if p.kind in _KIND_INDEX)
+
+
+def kind_latency(model: TaskModel, label: str) -> float:
+    """A task's time under `model`: the sum over its label's parts; 0 for a segment."""
+    return sum(model[k] for k in label_kinds(label))
+
+
+def estimate(graph: TaskGraph, model: TaskModel) -> dict[str, float]:
+    """Per task name, its time under `model` (`label_times`)."""
+    return label_times({t.name for ts in graph.tasks for t in ts}, model)
+
+
+def label_times(names: set[str], model: TaskModel) -> dict[str, float]:
+    """Per task name of `names`, its time under `model`; a W part without its I task
+    does both.
+
+    The compiler emits no I task where no input gradient is needed (the first stage),
+    so that W computes what I would have (the gradients inside the stage).
+    """
+    parts = {label for name in names for label in name.split("+")}
+    out = {}
+    for name in names:
+        total = 0.0
+        for label in name.split("+"):
+            total += kind_latency(model, label)
+            if label.startswith("W") and "I" + label[1:] not in parts:
+                total += kind_latency(model, "I" + label[1:])
+        out[name] = total
+    return out
+
+
+def play(program: Program, times: Callable[[str], tuple[float, ...]], k: int,
+          sends: str = "blocking") -> list[tuple[float, float]]:
+    """Per set of task times, (makespan, busiest group's work) of `program`.
+
+    The makespan is `simulate.simulate`'s with free messages and `sends`, for every set
+    of times from one play (`rendezvous.play`, or `simulate.posted_order` for posted
+    sends; the candidates are checked once, the winner by `simulate.verify`): a Run
+    ends its task's time after it starts; a blocking message when both sides have
+    reached it, a posted one when its receiver has reached it and its sender had.
+    `times(label)` gives a task's time in each of the `k` sets.
+    """
+    instrs = [g.instrs for g in program.groups]
+    now = [[0.0] * len(instrs) for _ in range(k)]
+    busy = [[0.0] * len(instrs) for _ in range(k)]
+    cache: dict[str, tuple[float, ...]] = {}
+
+    def run_task(g: int, run: Run) -> None:
+        ts = cache.get(run.task)
+        if ts is None:
+            ts = cache[run.task] = times(run.task)
+        for clock, work, t in zip(now, busy, ts):
+            clock[g] += t
+            work[g] += t
+
+    if sends == "posted":
+        posted: dict[tuple[int, int], list[float]] = {}
+        for is_post, g, i, sender in simulate.posted_order(program):
+            if is_post:
+                posted[(g, i)] = [clock[g] for clock in now]
+            elif sender is not None:
+                for clock, t in zip(now, posted[sender]):
+                    clock[g] = max(clock[g], t)
+            elif isinstance(run := instrs[g][i], Run):
+                run_task(g, run)
+    else:
+        for e in rendezvous.play(program):
+            if isinstance(e, rendezvous.Matched):
+                (s, _), (d, _) = e.send, e.recv
+                for clock in now:
+                    clock[s] = clock[d] = max(clock[s], clock[d])
+            elif isinstance(run := instrs[e.group][e.index], Run):
+                run_task(e.group, run)
+    return [(max(clock, default=0.0), max(work, default=0.0)) for clock, work in zip(now, busy)]
+
+
+def _ratio(makespan: float, busiest: float) -> float:
+    """A score: the makespan over the busiest group's work (the makespan if no work)."""
+    return makespan / busiest if busiest > 0 else makespan
+
+
+def scores(program: Program, sends: str = "blocking") -> tuple[float, ...]:
+    """Per model of `MODELS`: the makespan over the busiest group's work (`play`),
+    each task at its time under the model as the walks estimate it (`estimate`)."""
+    labels = {r.task for g in program.groups for r in g.instrs if isinstance(r, Run)}
+    per_model = [label_times(labels, m) for m in MODELS]
+    played = play(program, lambda label: tuple(t.get(label, 0.0) for t in per_model),
+                  len(MODELS), sends)
+    return tuple(_ratio(*x) for x in played)
+
+
+def dataflow_scores(graph: TaskGraph) -> tuple[float, ...]:
+    """Per model of `MODELS`, `scores`' ratio for the graph's own dataflow timeline.
+
+    A task starts when its group has finished the task before it and every input it
+    takes exists (messages free). No program running each group's tasks in the graph's
+    order does better, so a round order at this bound under every model needs no
+    timed walk.
+    """
+    estimates = [estimate(graph, model) for model in MODELS]  # as `scores` times
+    ready = {v: 0.0 for v, _, _ in graph.inputs}
+    finish = [dict(ready) for _ in MODELS]
+    free = [[0.0] * graph.num_groups for _ in MODELS]
+    busy = [[0.0] * graph.num_groups for _ in MODELS]
+    nxt = [0] * graph.num_groups
+    left = sum(len(ts) for ts in graph.tasks)
+    while left:
+        progressed = False
+        for g, ts in enumerate(graph.tasks):
+            while nxt[g] < len(ts) and all(v in finish[0] for v in ts[nxt[g]].ins):
+                task = ts[nxt[g]]
+                for m, times in enumerate(estimates):
+                    t = times[task.name]
+                    start = max([free[m][g], *(finish[m][v] for v in task.ins)])
+                    free[m][g] = start + t
+                    busy[m][g] += t
+                    for v in task.outs:
+                        finish[m][v] = start + t
+                nxt[g] += 1
+                left -= 1
+                progressed = True
+        if not progressed:  # cannot happen for a graph the lowering walked
+            return tuple(0.0 for _ in MODELS)
+    return tuple(_ratio(max(clock, default=0.0), max(work, default=0.0))
+                 for clock, work in zip(free, busy))
+
+
+def measured_estimate(graph: TaskGraph, task_ms: Mapping[str, float]) -> dict[str, float]:
+    """Per task name, its time in `task_ms` (keyed by task label, as
+    `collect_task_times_ms` gives them); a task missing there is the sum over its label's
+    parts ('F3s1+B1s1'): a part's own time if given, else the mean time of the given
+    single-part tasks of its kind (of all given tasks where none is of that kind); a
+    segment (no pipeline label) missing there takes 0."""
+    by_kind: dict[int, list[float]] = {}
+    for label, t in task_ms.items():
+        kinds = label_kinds(label)
+        if len(kinds) == 1:
+            by_kind.setdefault(kinds[0], []).append(float(t))
+    given = [float(t) for t in task_ms.values()]
+    overall = sum(given) / len(given) if given else 0.0
+    mean = {k: sum(ts) / len(ts) for k, ts in by_kind.items()}
+    out = {}
+    for ts in graph.tasks:
+        for t in ts:
+            if t.name in task_ms:
+                out[t.name] = float(task_ms[t.name])
+                continue
+            total = 0.0
+            for part in t.name.split("+"):
+                if part in task_ms:
+                    total += float(task_ms[part])
+                else:
+                    total += sum(mean.get(k, overall) for k in label_kinds(part))
+            out[t.name] = total
+    return out
+
+
+def makespan(program: Program, latency: Mapping[str, float], sends: str = "blocking") -> float:
+    """The makespan of `program` (`play`), each Run taking its task's time in `latency`."""
+    return play(program, lambda label: (latency.get(label, 0.0),), 1, sends)[0][0]

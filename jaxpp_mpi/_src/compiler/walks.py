@@ -1,0 +1,384 @@
+"""The walks of a task graph that emit each group's instructions: in rounds
+(`RoundWalk`, `Note: global order`) and in estimated time (`TimedWalk`, `Note: timed
+order`). lower.py runs them, chooses among their programs and verifies the winner.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+from jaxpp_mpi._src.compiler.task_graph import TaskGraph, TaskNode, Value
+from jaxpp_mpi._src.ir.program import (
+    GroupProgram,
+    Instr,
+    Program,
+    Recv,
+    Run,
+    Send,
+)
+
+__all__ = ["BufferNames", "RoundWalk", "TimedWalk"]
+
+BufferNames = tuple[dict[int, Value], ...]  # per group: buffer id -> value name
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Message:
+    """One transfer of `value` from group `src` to group `dst`."""
+
+    value: Value
+    src: int
+    dst: int
+
+
+@dataclasses.dataclass
+class _Group:
+    """The lowering's mutable state for one group."""
+
+    tasks: tuple[TaskNode, ...]
+    instrs: list[Instr] = dataclasses.field(default_factory=list)
+    bufs: dict[Value, int] = dataclasses.field(default_factory=dict)  # value -> live buffer
+    names: dict[int, Value] = dataclasses.field(default_factory=dict)  # buffer -> value
+    pos: int = 0  # index of the next task
+
+    def define(self, v: Value) -> int:
+        """A fresh buffer for `v`; ids count up in order of definition."""
+        b = len(self.names)
+        self.bufs[v] = b
+        self.names[b] = v
+        return b
+
+    @property
+    def next_task(self) -> TaskNode | None:
+        return self.tasks[self.pos] if self.pos < len(self.tasks) else None
+
+    def missing(self) -> tuple[Value, ...]:
+        """The inputs of the next task not present on this group, in argument order."""
+        t = self.next_task
+        return () if t is None else tuple(dict.fromkeys(v for v in t.ins if v not in self.bufs))
+
+
+class RoundWalk:
+    """Walks the graph in rounds and appends each group's instructions.
+
+    Note: global order
+      Every instruction is appended at one point of a single sequential order of events:
+      a Run is an event of its group, and a message is one joint event of both groups
+      (Send on the sender, Recv on the receiver). A pair of opposite messages between
+      two groups is one joint event too, an *exchange*: each side gets its Send, then
+      its Recv, which is the crossing pattern that `passes.pair_exchanges` fuses into
+      one SendRecv per side (no other pair of messages forms it: two separate events
+      would have to come in opposite orders on the two groups). After that pass, played
+      in this order, every blocking send meets its receive at once, so the order is
+      itself a rendezvous execution (`Note: rendezvous play`) and the program cannot
+      deadlock. Rounds, groups and channels are visited in sorted order, so every rank
+      builds the same program.
+
+      The lowering does not drive `rendezvous.play`: that player walks instruction
+      lists that already exist, while here the instructions do not exist until the
+      lowering decides them, from every group's next task at once (which values are
+      missing, which exist, which opposite messages pair up). Playing the result again
+      is `simulate.verify`'s job, done once at the end of `build_program_with_names`.
+    """
+
+    def __init__(self, graph: TaskGraph):
+        self.graph = graph
+        self.prod = {v: g for v, (g, _) in graph.producers().items()}
+        self.groups = [_Group(ts) for ts in graph.tasks]
+        self.available: set[Value] = set()  # values produced somewhere so far
+        # value -> consumer groups other than its producer, not yet delivered to
+        self.undelivered: dict[Value, set[int]] = {}
+        for g, ts in enumerate(graph.tasks):
+            for t in ts:
+                for v in t.ins:
+                    if self.prod[v] != g:
+                        self.undelivered.setdefault(v, set()).add(g)
+        self.input_bufs: dict[Value, int] = {}
+        for v, g, _ in sorted(graph.inputs, key=lambda x: (x[1], x[2], x[0])):
+            self.input_bufs[v] = self.groups[g].define(v)
+            self.available.add(v)
+
+    def run(self) -> None:
+        """Rounds until every group has run all its tasks.
+
+        Raises:
+          ValueError: if a round makes no progress, naming each stuck task.
+        """
+        while any(gs.next_task is not None for gs in self.groups):
+            ran = [self._run_task(g) for g in range(len(self.groups))]
+            delivered = self._deliver(self._needed())
+            if not any(ran) and not delivered:
+                raise ValueError(self._stuck_message())
+
+    def _run_task(self, g: int) -> bool:
+        """Runs group g's next task if all its inputs are present; returns whether it ran."""
+        gs = self.groups[g]
+        t = gs.next_task
+        if t is None or gs.missing():
+            return False
+        # A donated buffer dies in the task: send it to its other consumers first.
+        early = [
+            _Message(v, g, dst)
+            for v in t.donate
+            if self.prod[v] == g
+            for dst in sorted(self.undelivered.get(v, ()))
+        ]
+        self._deliver(early)
+        ins = tuple(gs.bufs[v] for v in t.ins)
+        donate = tuple(gs.bufs.pop(v) for v in t.donate)
+        outs = tuple(gs.define(v) for v in t.outs)
+        gs.instrs.append(Run(t.exe, ins, outs, t.name, donate))
+        self.available.update(t.outs)
+        gs.pos += 1
+        return True
+
+    def _needed(self) -> list[_Message]:
+        """Messages whose receiver's next task waits for them and whose value exists."""
+        return [
+            _Message(v, self.prod[v], g)
+            for g, gs in enumerate(self.groups)
+            for v in gs.missing()
+            if v in self.available
+        ]
+
+    def _deliver(self, messages: list[_Message]) -> bool:
+        """Appends `messages` as joint events, opposite ones as exchanges.
+
+        Channels between a pair of groups are visited in sorted order; within a channel,
+        messages keep their order. The k-th message of lo->hi is paired with the k-th of
+        hi->lo into an exchange (`_exchange`); the rest become Send/Recv.
+        """
+        by_pair: dict[tuple[int, int], tuple[list[_Message], list[_Message]]] = {}
+        for m in messages:
+            lo, hi = sorted((m.src, m.dst))
+            by_pair.setdefault((lo, hi), ([], []))[m.src != lo].append(m)
+        for key in sorted(by_pair):
+            up, down = by_pair[key]
+            for k in range(max(len(up), len(down))):
+                if k < len(up) and k < len(down):
+                    self._exchange(up[k], down[k])
+                else:
+                    self._send((up if k < len(up) else down)[k])
+        return bool(messages)
+
+    def _take(self, m: _Message) -> tuple[int, int]:
+        """(sender's buffer, receiver's fresh buffer) of `m`; marks `m` delivered."""
+        self.undelivered[m.value].discard(m.dst)
+        return self.groups[m.src].bufs[m.value], self.groups[m.dst].define(m.value)
+
+    def _send(self, m: _Message) -> None:
+        sbuf, rbuf = self._take(m)
+        self.groups[m.src].instrs.append(Send(sbuf, m.dst, -1))
+        self.groups[m.dst].instrs.append(Recv(rbuf, m.src, -1, self.graph.avals[m.value]))
+
+    def _exchange(self, m: _Message, r: _Message) -> None:
+        """`m` (a->b) and `r` (b->a) as Send then Recv on each side.
+
+        The crossing pattern becomes one SendRecv per side in `pair_exchanges` (see
+        `Note: global order`).
+        """
+        a, b = m.src, m.dst
+        m_send, m_recv = self._take(m)
+        r_send, r_recv = self._take(r)
+        avals = self.graph.avals
+        self.groups[a].instrs += [Send(m_send, b, -1), Recv(r_recv, b, -1, avals[r.value])]
+        self.groups[b].instrs += [Send(r_send, a, -1), Recv(m_recv, a, -1, avals[m.value])]
+
+    def _stuck_message(self) -> str:
+        lines = []
+        for g, gs in enumerate(self.groups):
+            t = gs.next_task
+            if t is None:
+                continue
+            waits = ", ".join(
+                f"{v} (from group {self.prod[v]})" if self.prod[v] != g else v for v in gs.missing()
+            )
+            lines.append(f"  group {g}: task {t.name} waits for {waits}")
+        return "lowering made no progress (a cycle in the task order?):\n" + "\n".join(lines)
+
+    def program(self) -> tuple[Program, BufferNames]:
+        """The Program (exchanges unpaired, tags unassigned, no Frees) and buffer names."""
+        groups = []
+        for g, gs in enumerate(self.groups):
+            inputs = [(self.input_bufs[v], k) for v, h, k in self.graph.inputs if h == g]
+            outputs = [(gs.bufs[v], k) for v, k in self.graph.outputs if self.prod[v] == g]
+            avals = {b: self.graph.avals[v] for b, v in gs.names.items()}
+            groups.append(GroupProgram(g, inputs, tuple(gs.instrs), outputs, avals))
+        return Program(tuple(groups)), tuple(dict(gs.names) for gs in self.groups)
+
+
+class TimedWalk(RoundWalk):
+    """Walks the graph in estimated time and appends each group's instructions.
+
+    Note: timed order
+      The round walk (`RoundWalk.run`) gives every task one round, so with tasks of
+      different lengths a message lands on its sender after tasks that, in time, come
+      after the receiver needs it (a backward twice a forward, a long weight-gradient
+      task before a send). This walk plays the groups in estimated time instead
+      (`latency` per task; messages take no time): each group is busy until `time[g]`;
+      the earliest group acts next (ties by index): it first delivers its pending
+      messages with each peer that is there at the same time (both idle: they cost
+      neither), then runs its next task if its inputs are present, else waits for the
+      next event. Before running a task while a value it made is still owed to a busy
+      peer, it compares the estimated end of the step both ways (`tail`: the longest
+      path from a task's start to the end of the step, along group order and data) and
+      waits for the peer when that ends earlier. Donated values are delivered before
+      their task runs (`Note: donation`), waiting for the peer if needed.
+
+      The best order depends on task times the compiler does not know, and a walk on
+      a wrong estimate can wait where the round walk does not. So the lowering
+      (`_lower_best` in lower.py) builds the round order and the eager and lazy timed
+      orders under each of four estimates (`ESTIMATES` in task_models.py, the
+      task-time models of `MODELS`: no single estimate wins everywhere: on 4 groups
+      Interleaved and KimiK2 reach their own timeline under every model when walked
+      with B four times F, ZeroBubble and DualPipeV gain only from the lazy walk on the
+      defaults) and simulates each under every model, each task at its time under the
+      model as the walks estimated it (`label_times`: the first stage's W, which has no
+      I task, does both), and with the runtime's sends (`sends`: blocking, or posted
+      where the MPI executor posts them, `Note: posted sends` in mpi/posted.py; every
+      candidate is deadlock-free with blocking sends either way); a timed order
+      replaces the round order only if it is no slower under any model, and the one
+      with the best mean wins. bench/lowering.py measures the result against each
+      schedule's own dataflow timeline. When the user gives measured task times
+      (`task_times_ms`), there is nothing to hedge: the walks also run on those times
+      and the program fastest under them wins (`_lower_measured` in lower.py).
+
+      With `eager`, two idle groups exchange every value one owes the other; without,
+      only what the receiver's next task needs or what a receiver with nothing ready
+      takes (a receive before an independent Run could make that Run wait on the
+      sender, if the estimate is wrong). Each event is still appended at one point of a
+      single global order, both sides of a message at once, so `Note: global order`'s
+      argument (rendezvous play, no deadlock) holds unchanged.
+    """
+
+    def __init__(self, graph: TaskGraph, latency: Mapping[str, float], eager: bool):
+        super().__init__(graph)
+        self.latency = latency
+        self.eager = eager
+        n = len(self.groups)
+        self.time = [0.0] * n
+        self.first_use: list[dict[Value, int]] = []  # per group: value -> first task reading it
+        for ts in graph.tasks:
+            first: dict[Value, int] = {}
+            for i, t in enumerate(ts):
+                for v in t.ins:
+                    first.setdefault(v, i)
+            self.first_use.append(first)
+        self.pending: list[dict[tuple[Value, int], _Message]] = [{} for _ in range(n)]
+        for v in self.input_bufs:
+            self._owe(v)
+        self.tail = self._tails(graph)
+
+    def _tails(self, graph: TaskGraph) -> dict[str, float]:
+        """Per task: the estimated longest path from its start to the end of the step."""
+        producer = {v: t.name for ts in graph.tasks for t in ts for v in t.outs}
+        succ: dict[str, set[str]] = {t.name: set() for ts in graph.tasks for t in ts}
+        for ts in graph.tasks:
+            for a, b in zip(ts, ts[1:]):
+                succ[a.name].add(b.name)
+            for t in ts:
+                for v in t.ins:
+                    if v in producer and producer[v] != t.name:
+                        succ[producer[v]].add(t.name)
+        tail: dict[str, float] = {}
+        for root in succ:  # iterative post-order: the task graph is acyclic once it lowers
+            stack = [(root, False)]
+            while stack:
+                x, expanded = stack.pop()
+                if x in tail:
+                    continue
+                if expanded:
+                    tail[x] = self.latency[x] + max((tail[y] for y in succ[x]), default=0.0)
+                else:
+                    stack.append((x, True))
+                    stack.extend((y, False) for y in succ[x] if y not in tail)
+        return tail
+
+    def _owe(self, v: Value) -> None:
+        """Records the messages of the new value `v` with the groups waiting for it."""
+        src = self.prod[v]
+        for dst in sorted(self.undelivered.get(v, ())):
+            m = _Message(v, src, dst)
+            self.pending[src][(v, dst)] = self.pending[dst][(v, dst)] = m
+
+    def _deliver_timed(self, messages: list[_Message]) -> None:
+        """Delivers `messages` pair by pair (sorted), in the order receivers need them."""
+        by_pair: dict[tuple[int, int], list[_Message]] = {}
+        for m in messages:
+            by_pair.setdefault((min(m.src, m.dst), max(m.src, m.dst)), []).append(m)
+        for (a, b), ms in sorted(by_pair.items()):
+            ms.sort(key=lambda m: (self.first_use[m.dst][m.value], m.value, m.dst))
+            self._deliver(ms)
+            for m in ms:
+                del self.pending[m.src][(m.value, m.dst)], self.pending[m.dst][(m.value, m.dst)]
+            self.time[a] = self.time[b] = max(self.time[a], self.time[b])
+
+    def _takes_now(self, m: _Message) -> bool:
+        """Whether m's receiver, idle, should take m now (see `Note: timed order`)."""
+        if self.eager:
+            return True
+        r = self.groups[m.dst]
+        t = r.next_task
+        return t is None or m.value in t.ins or bool(r.missing())
+
+    def run(self) -> None:
+        """Plays the groups in estimated time until all tasks ran and all values arrived.
+
+        Raises:
+          ValueError: if no group can act (the task order has a cycle across groups).
+        """
+        n = len(self.groups)
+        while True:
+            live = [g for g in range(n) if self.groups[g].next_task is not None or self.pending[g]]
+            if not live:
+                return
+            if not any(self._act(g, live) for g in sorted(live, key=lambda g: (self.time[g], g))):
+                raise ValueError(self._stuck_message())
+
+    def _act(self, g: int, live: list[int]) -> bool:
+        """One step of group g at its time; returns whether anything changed."""
+        t, gs = self.time[g], self.groups[g]
+        pending = sorted(self.pending[g].values(), key=lambda m: (m.value, m.dst))
+        here = [
+            m
+            for m in pending
+            if self.time[m.src if m.dst == g else m.dst] <= t and self._takes_now(m)
+        ]
+        if here:
+            self._deliver_timed(here)
+            return True
+        task = gs.next_task
+        if task is not None and not gs.missing():
+            owed = [m for m in pending if m.src == g and self.time[m.dst] > t]
+            forced = [m.dst for m in owed if m.value in task.donate]
+            wait = [self.time[h] for h in forced] or [
+                self.time[m.dst] for m in owed if self._worth_waiting(m, task, t)
+            ]
+            if wait:
+                self.time[g] = min(wait)
+                return True
+            self._run_task(g)
+            self.available.update(task.outs)
+            for v in task.outs:
+                self._owe(v)
+            self.time[g] = t + self.latency[task.name]
+            return True
+        later = [self.time[h] for h in live if self.time[h] > t]
+        if later:
+            self.time[g] = min(later)
+            return True
+        return False
+
+    def _worth_waiting(self, m: _Message, task: TaskNode, t: float) -> bool:
+        """Whether g should wait for busy m.dst to send m before running `task` at t."""
+        h = self.groups[m.dst]
+        th = self.time[m.dst]
+        use = self.first_use[m.dst][m.value]
+        before = sum(self.latency[x.name] for x in h.tasks[h.pos : use])
+        consumer = self.tail[h.tasks[use].name]
+        end_wait = max(th + self.tail[task.name], th + before + consumer)
+        end_run = max(
+            t + self.tail[task.name], max(th + before, t + self.latency[task.name]) + consumer
+        )
+        return end_wait < end_run
