@@ -11,12 +11,11 @@ schedules are checked against jax.jit by the parity tests (tests/local, tests/mp
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from job_env import job_env
 
 ROOT = Path(__file__).resolve().parents[2]
 LIMIT_S = 240
@@ -28,8 +27,7 @@ def run(tmp_path_factory) -> tuple[str, Path]:
     """The job's output (its exit status checked: 0, so the jax.jit check passed) and
     its working directory, with the trace and the checkpoint it wrote."""
     where = tmp_path_factory.mktemp("example")
-    env = dict(os.environ, JAXPP_MPI_PYTHON=sys.executable)
-    env.pop("XLA_FLAGS", None)  # the example gives each rank the 2 devices it needs
+    env = job_env()  # the example gives each rank the 2 devices it needs
     cmd = [str(ROOT / "launch" / "jpprun"), "-n", "2", "python", "examples/train.py",
            "--dtype", "bfloat16", "--tied", "--data-axis", "2", "--steps", str(STEPS),
            "--hidden", "16", "--heads", "2", "--seq", "8", "--vocab", "32",

@@ -7,7 +7,6 @@ deadlines (runtime/failure.py), as for a user's plain `mpirun -n N python train.
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -15,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from job_env import job_env
 
 ROOT = Path(__file__).resolve().parents[2]
 JPPRUN = ROOT / "launch" / "jpprun"
@@ -24,8 +24,7 @@ HANG_LIMIT_S = 120  # a hang shows up as this timeout; every fault ends far soon
 def run_fault(fault: str, **env: str) -> tuple[int, str, float]:
     """Runs the harness with `fault` on 2 ranks; (exit status, output, seconds): from
     the fault (the harness's stamp) to the job's end when `env` asks for the stamp."""
-    full_env = dict(os.environ, JAXPP_MPI_PYTHON=sys.executable, **env)
-    full_env.pop("XLA_FLAGS", None)
+    full_env = job_env(**env)
     start = time.monotonic()
     try:
         proc = subprocess.run(

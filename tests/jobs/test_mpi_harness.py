@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from job_env import job_env
 
 ROOT = Path(__file__).resolve().parents[2]
 JPPRUN = ROOT / "launch" / "jpprun"
@@ -16,8 +15,7 @@ HANG_LIMIT_S = 120  # a hang shows up as this timeout; a pass needs far less
 
 
 def _run_2_ranks(*command: str) -> tuple[int, str, float]:
-    env = dict(os.environ, JAXPP_MPI_PYTHON=sys.executable)
-    env.pop("XLA_FLAGS", None)
+    env = job_env()
     start = time.monotonic()
     try:
         proc = subprocess.run(

@@ -12,13 +12,13 @@ it passed, printed its losses, and that every rank compared the values it holds.
 from __future__ import annotations
 
 import importlib.util
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from job_env import job_env
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = "tests/jobs/harness/ported_jaxpp_script.py"
@@ -52,8 +52,7 @@ def test_ported_script_in_one_process(capsys, monkeypatch):
 
 def test_ported_script_under_mpi():
     ranks = 4
-    env = dict(os.environ, JAXPP_MPI_PYTHON=sys.executable)
-    env.pop("XLA_FLAGS", None)  # one CPU device per rank
+    env = job_env()  # one CPU device per rank
     cmd = [
         str(ROOT / "launch" / "jpprun"),
         "-n",

@@ -8,12 +8,12 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from job_env import job_env
 
 ROOT = Path(__file__).resolve().parents[2]
 JPPRUN = ROOT / "launch" / "jpprun"
@@ -22,8 +22,7 @@ LIMIT_S = 180
 
 
 def _start(directory: Path) -> subprocess.Popen:
-    env = dict(os.environ, JAXPP_MPI_PYTHON=sys.executable)
-    env.pop("XLA_FLAGS", None)
+    env = job_env()
     return subprocess.Popen([str(JPPRUN), "-n", "2", "python", SCRIPT, str(directory)],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)

@@ -20,6 +20,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from job_env import job_env
 
 ROOT = Path(__file__).resolve().parents[2]
 JPPRUN = ROOT / "launch" / "jpprun"
@@ -30,8 +31,7 @@ STEP_TIMEOUT_S, GRACE_S = 5, 2
 def _run(ranks: int, command: list[str], **env: str) -> tuple[int, str, float]:
     """Runs `command` on `ranks` ranks from the repository root; (exit status, output,
     seconds from the harness's "fault at" stamp, or from the start, to the job's end)."""
-    full_env = dict(os.environ, JAXPP_MPI_PYTHON=sys.executable, **env)
-    full_env.pop("XLA_FLAGS", None)
+    full_env = job_env(**env)
     start = time.time()
     try:
         proc = subprocess.run([str(JPPRUN), "-n", str(ranks), *command], cwd=ROOT,

@@ -12,7 +12,6 @@ import filecmp
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -20,6 +19,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
+from job_env import job_env
 
 import jaxpp_mpi as jp
 from jaxpp_mpi import checkpoint as ck
@@ -30,8 +30,7 @@ LIMIT_S = 120
 
 
 def _reshard(ranks: int, *args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, JAXPP_MPI_PYTHON=sys.executable)
-    env.pop("XLA_FLAGS", None)
+    env = job_env()
     try:
         return subprocess.run(
             [str(JPPRUN), "-n", str(ranks), "python", "-m", "jaxpp_mpi.reshard", *args],

@@ -7,13 +7,12 @@ fresh MPI job, restores the checkpoint and trains 3 more steps.
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from job_env import job_env
 
 ROOT = Path(__file__).resolve().parents[2]
 JPPRUN = ROOT / "launch" / "jpprun"
@@ -22,8 +21,7 @@ LIMIT_S = 240
 
 
 def _job(*args: str) -> None:
-    env = dict(os.environ, JAXPP_MPI_PYTHON=sys.executable)
-    env.pop("XLA_FLAGS", None)
+    env = job_env()
     try:
         proc = subprocess.run([str(JPPRUN), "-n", "2", "python", SCRIPT, *args], cwd=ROOT,
                               env=env, capture_output=True, text=True, timeout=LIMIT_S)
