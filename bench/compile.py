@@ -169,10 +169,9 @@ class Probe:
         self._wrap(passes, "compile_exe", "compile_exe")
         try:  # Note: shared compiles (absent in older trees)
             from jaxpp_mpi._src import shared_compiles
-        except ImportError:
-            shared_compiles = None
-        if shared_compiles is not None:
             self._wrap(shared_compiles, "compile_lowered", "compile_exe")
+        except ImportError:
+            pass
         self._wrap(deferred, "compile_deferred", "compile_exe")
         self._wrap(jax.stages.Lowered, "compile", "xla_compile")
         try:

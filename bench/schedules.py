@@ -378,6 +378,7 @@ def main() -> None:
     from mpi4py import MPI
 
     import jaxpp_mpi
+    from jaxpp_mpi._src.group_compiler import flops
     from jaxpp_mpi._src.ir.program import Aval
     from jaxpp_mpi._src.ir.simulate import simulate
 
@@ -409,8 +410,7 @@ def main() -> None:
         # analysis counts the scan's loop body once).
         one = jax.jit(jax.value_and_grad(partial(loss_fn, num_microbatches=n)))
         one_flops = one.lower(params, jax.tree.map(lambda x: x[0], batch)).compile()
-        counted = one_flops.cost_analysis()
-        jit_flops = n * float((counted[0] if isinstance(counted, list) else counted)["flops"])
+        jit_flops = n * flops(one_flops)
     jit_flops = comm.bcast(jit_flops, root=0)
     scheds, compiled = {}, {}
     for name in args.schedules:

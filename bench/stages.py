@@ -126,13 +126,6 @@ def _timed(fn, args, donated) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
-def _flops(compiled) -> float:
-    cost = compiled.cost_analysis()
-    if isinstance(cost, (list, tuple)):
-        cost = cost[0] if cost else {}
-    return float((cost or {}).get("flops", 0.0))
-
-
 def main() -> None:
     args = parse_args()
     import jax
@@ -141,6 +134,7 @@ def main() -> None:
 
     from jaxpp_mpi._src.compiler.build import build_step
     from jaxpp_mpi._src.compiler.loop_tasks import first_from_plain
+    from jaxpp_mpi._src.group_compiler import flops
     from jaxpp_mpi._src.ir.program import Run
 
     n = args.num_microbatches
@@ -175,7 +169,7 @@ def main() -> None:
                     "stage": int(exe.family.lstrip("FBIW")),
                     "kind": exe.family.rstrip("0123456789"),
                     "runs": runs.count(ename),
-                    "flops": _flops(compiled),
+                    "flops": flops(compiled),
                     "compile_s": compile_s,
                     # built by the runtime from its plain variant (`Note: first variants`)
                     "shared": first_from_plain(group_exes, plan.exe_avals[g], ename) is not None,
@@ -199,7 +193,7 @@ def main() -> None:
             start = time.perf_counter()
             compiled = jax.jit(fn, donate_argnums=(0,)).lower(acc, ps, x, t).compile()
             refs[num_stages, s] = {"compiled": compiled, "args": [acc, ps, x, t],
-                                   "flops": _flops(compiled), "ms": [],
+                                   "flops": flops(compiled), "ms": [],
                                    "compile_s": time.perf_counter() - start}
 
     def run_ref(ref) -> float:  # the accumulator (argument 0) is donated
@@ -226,7 +220,7 @@ def main() -> None:
         whole_ms.append((time.perf_counter() - start) * 1e3)
 
     one = jax.jit(jax.value_and_grad(partial(loss_fn, num_microbatches=n)))
-    whole_flops = n * _flops(one.lower(params, mb).compile())
+    whole_flops = n * flops(one.lower(params, mb).compile())
     results: dict[str, Any] = {}
     for name in args.schedules:
         num_stages = schedule_by_name(name, 2).num_stages
