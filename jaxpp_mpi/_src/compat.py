@@ -21,7 +21,7 @@ from jax.extend import linear_util as lu
 from jax.interpreters import partial_eval as pe
 
 __all__ = ["jax_backends_initialized", "mesh_spec", "persistent_cache_used",
-           "trace_closure_converted"]
+           "split_inputs", "trace_closure_converted"]
 
 
 def trace_closure_converted(
@@ -56,15 +56,29 @@ def trace_closure_converted(
     # labels) and concrete arrays closed over; we need *every* captured value as
     # an operand so the compiler sees all loop invariants.
     jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(wrapped, list(in_avals))
+    constvars, argvars = split_inputs(jaxpr, len(consts))
     arg_names = jaxpr.debug_info.arg_names
-    if arg_names is not None:
-        arg_names = (*arg_names, *("",) * len(jaxpr.constvars))
+    if arg_names is not None:  # JAX 0.11 names the leading constvars "" already
+        arg_names = (*arg_names[len(arg_names) - len(argvars):], *("",) * len(constvars))
     lifted = jaxpr.replace(
         constvars=[],
-        invars=[*jaxpr.invars, *jaxpr.constvars],
+        invars=[*argvars, *constvars],
         debug_info=jaxpr.debug_info._replace(arg_names=arg_names),
     )
     return jex_core.ClosedJaxpr(lifted, ()), list(consts)
+
+
+def split_inputs(jaxpr: jex_core.Jaxpr, num_consts: int) -> tuple[list[Any], list[Any]]:
+    """`(constvars, invars)` of `jaxpr` whose first `num_consts` inputs are constants.
+
+    Why: JAX 0.11 merged `ClosedJaxpr` into `Jaxpr`. There a jaxpr's `constvars` are only
+    the inputs with values attached: a jaxpr traced or built with constvars but no values
+    lists them at the front of `invars` and has no `constvars`, where JAX 0.10 keeps the
+    two lists apart. Taking both lists together, constants first, and splitting at the
+    number of constant values reads the same on both.
+    """
+    every = [*jaxpr.constvars, *jaxpr.invars]
+    return every[:num_consts], every[num_consts:]
 
 
 def jax_backends_initialized() -> bool:

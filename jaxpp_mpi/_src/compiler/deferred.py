@@ -48,6 +48,7 @@ import numpy as np
 from jax.extend import core as jex_core
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from jaxpp_mpi._src.compat import split_inputs
 from jaxpp_mpi._src.ir.instructions import program_spec
 
 __all__ = ["Unreduced", "axes_of", "compile_deferred", "compile_variant", "conform", "decide",
@@ -295,9 +296,10 @@ def eval_jaxpr(jaxpr: jex_core.Jaxpr, consts: Sequence[Any], *args: Any) -> list
     def read(a: Any) -> Any:
         return _literal(a) if isinstance(a, jex_core.Literal) else env[a]
 
-    for v, x in zip(jaxpr.constvars, consts):
+    constvars, invars = split_inputs(jaxpr, len(consts))
+    for v, x in zip(constvars, consts):
         env[v] = x
-    for v, x in zip(jaxpr.invars, args):
+    for v, x in zip(invars, args):
         env[v] = x
     for eqn in jaxpr.eqns:
         invals = [read(a) for a in eqn.invars]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from jax.extend import core as jex_core
 
+from jaxpp_mpi._src.compat import split_inputs
 from jaxpp_mpi._src.compiler.jaxpr_util import new_jaxpr
 from jaxpp_mpi._src.errors import CompileError
 from jaxpp_mpi._src.stage_marks import stage_end_p
@@ -97,10 +98,11 @@ def _inline_into(jaxpr: jex_core.Jaxpr, env: dict, out: list, *, everything: boo
             closed = sub if isinstance(sub, jex_core.ClosedJaxpr) else None
             inner = closed.jaxpr if closed else sub
             inner_env: dict = {}
-            for v, a in zip(inner.invars, eqn.invars):
-                inner_env[v] = _read(env, a)
             consts = closed.consts if closed else []
-            for v, c in zip(inner.constvars, consts):
+            constvars, invars = split_inputs(inner, len(consts))
+            for v, a in zip(invars, eqn.invars):
+                inner_env[v] = _read(env, a)
+            for v, c in zip(constvars, consts):
                 inner_env[v] = jex_core.Literal(c, v.aval)
             # Fresh vars for the callee's eqns: the same jaxpr may be inlined twice.
             for inner_eqn in inner.eqns:

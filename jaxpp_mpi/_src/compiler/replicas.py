@@ -39,6 +39,7 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jex_core
 
+from jaxpp_mpi._src.compat import split_inputs
 from jaxpp_mpi._src.compiler.task_graph import Value
 from jaxpp_mpi._src.errors import CompileError
 from jaxpp_mpi._src.ir import passes
@@ -179,14 +180,15 @@ def localize(closed: Any, split: Mapping[int, tuple[int, int]], where: str) -> A
       CompileError: a split input read otherwise than by `dynamic_slice`.
     """
     jaxpr = closed.jaxpr
-    shares = {jaxpr.invars[i]: dims for i, dims in split.items()}
+    constvars, invars = split_inputs(jaxpr, len(closed.consts))
+    shares = {invars[i]: dims for i, dims in split.items()}
 
     def fn(*args):
         env: dict[Any, Any] = {}
         read = lambda v: v.val if isinstance(v, jex_core.Literal) else env[v]
-        for v, c in zip(jaxpr.constvars, closed.consts):
+        for v, c in zip(constvars, closed.consts):
             env[v] = c
-        for v, a in zip(jaxpr.invars, args):
+        for v, a in zip(invars, args):
             env[v] = a
         for eqn in jaxpr.eqns:
             touched = [v for v in eqn.invars

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 from jax.extend import core as jex_core
 
+from jaxpp_mpi._src.compat import split_inputs
 from jaxpp_mpi._src.compiler.inline import inline_calls
 from jaxpp_mpi._src.compiler.jaxpr_util import new_jaxpr
 from jaxpp_mpi._src.errors import CompileError
@@ -110,7 +111,8 @@ def trace_step(fun: Callable, args: Sequence[Any], *, what: str = "the step",
     index, loop = loops[0]
     # Literal loop operands (scalars JAX inlined) become constants like any other, so
     # that every loop operand is a variable the homes pass can put on groups.
-    consts, constvars, invars = list(closed.consts), list(jaxpr.constvars), []
+    consts, invars = list(closed.consts), []
+    constvars, step_invars = split_inputs(jaxpr, len(consts))
     for x in loop.invars:
         if isinstance(x, jex_core.Literal):
             v = jex_core.Var(x.aval)
@@ -120,6 +122,6 @@ def trace_step(fun: Callable, args: Sequence[Any], *, what: str = "the step",
         invars.append(x)
     eqns = list(jaxpr.eqns)
     eqns[index] = loop.replace(invars=invars)
-    flat = new_jaxpr([*constvars, *jaxpr.invars], jaxpr.outvars, eqns, name="step")
+    flat = new_jaxpr([*constvars, *step_invars], jaxpr.outvars, eqns, name="step")
     _, out_tree = jax.tree.flatten(out_shape)
     return TracedStep(flat, tuple(consts), index, out_tree)

@@ -185,7 +185,8 @@ _CHILD = ("import json, os; print(json.dumps([os.environ.get(k) for k in "
 
 def _run_wrapper(args, env):
     base = {k: v for k, v in os.environ.items()
-            if not k.startswith(("OMPI_", "PMI", "SLURM_", "MPI_", "JAXPP_MPI_", "CUDA_"))}
+            if not k.startswith(("OMPI_", "PMI", "SLURM_", "MPI_", "JAXPP_MPI_", "CUDA_",
+                                 "JAX_PLATFORMS"))}
     out = subprocess.run([sys.executable, "-m", "jaxpp_mpi.launch", *args, "--",
                           sys.executable, "-c", _CHILD], env={**base, **env},
                          capture_output=True, text=True, timeout=60)
@@ -199,7 +200,10 @@ def test_wrapper_binds_then_execs_the_program():
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)[0] == "6"
     cores = sorted(os.sched_getaffinity(0))
-    out = _run_wrapper(["--threads-per-rank", "1", "--verbose"], OPENMPI)
+    # CPU binding, on a GPU node too (there, without JAX_PLATFORMS=cpu, the node's GPUs
+    # would be shared out and 2 ranks on a 1-GPU node refused).
+    out = _run_wrapper(["--threads-per-rank", "1", "--verbose"],
+                       {**OPENMPI, "JAX_PLATFORMS": "cpu"})
     assert out.returncode == 0, out.stderr
     gpus, threads, child_cores = json.loads(out.stdout)
     assert gpus is None and threads == "1"
