@@ -11,6 +11,7 @@ from jax.sharding import AxisType
 
 from jaxpp_mpi._src import mesh as mesh_module  # its hooks, patched in tests
 from jaxpp_mpi._src.mesh import Comm, MpmdMesh
+from jaxpp_mpi._src.mpi.cuda_mpi import cuda_mpi_problem
 
 __all__ = ["make_mpmd_mesh"]
 
@@ -55,9 +56,10 @@ def make_mpmd_mesh(
     Raises:
       ValueError: malformed shape or names; the MPMD axis size (times the replica
         axis size) differs from the number of ranks; a rank's device count differs
-        from one group's size. All are raised
-        on every rank alike: the first two depend only on arguments and the job size,
-        and the device counts are allgathered over `comm` (in MPI mode this function
+        from one group's size; a rank has GPUs and `MPI4JAX_USE_CUDA_MPI=1` but its MPI
+        says it has no CUDA support (`mpi/cuda_mpi.py`). All are raised on every rank
+        alike: the first two depend only on arguments and the job size, and the device
+        counts and CUDA answers are allgathered over `comm` (in MPI mode this function
         is collective, like the `Dup` of the default communicator).
     """
     shape = tuple(int(s) for s in axis_shapes)
@@ -118,10 +120,13 @@ def make_mpmd_mesh(
     local = list(jax.local_devices() if devices is None else devices)
     if comm is None:
         comm = mesh_module._default_comm()
-    # Every rank learns every rank's device count, so a wrong count on one rank raises
-    # on all of them (a communicator without allgather, e.g. a test double: this rank).
+    # Every rank learns every rank's device count and whether its GPU buffers may go to
+    # MPI, so a problem on one rank raises on all of them (a communicator without
+    # allgather, e.g. a test double: this rank's own).
+    mine = (len(local), cuda_mpi_problem(d.platform for d in local))
     gather = getattr(comm, "allgather", None)
-    counts = list(gather(len(local))) if gather is not None else [len(local)]
+    reports = list(gather(mine)) if gather is not None else [mine]
+    counts = [c for c, _ in reports]
     wrong = [r for r, c in enumerate(counts) if c != group_devices]
     if wrong:
         group = ", ".join(f"{n!r}: {s}" for n, s in zip(names, shape) if n != mpmd_axis_name)
@@ -133,6 +138,10 @@ def make_mpmd_mesh(
             f"{group_devices} on CPU, or CUDA_VISIBLE_DEVICES to {group_devices} GPUs per "
             "rank, or pass devices= explicitly."
         )
+    problems = {r: p for r, (_, p) in enumerate(reports) if p}
+    if problems:
+        ranks = "" if len(problems) == len(reports) else f" (rank(s) {sorted(problems)})"
+        raise ValueError(f"{next(iter(problems.values()))}{ranks}")
     group_shape = tuple(1 if i == pos else s for i, s in enumerate(shape))
     mesh = jax.make_mesh(group_shape, names, axis_types, devices=local)
     return MpmdMesh(mesh, mpmd_axis_name, comm, num_replicas=num_replicas,

@@ -171,3 +171,37 @@ def test_array_addressability(mesh, owners):
     a.block_until_ready()
     a.delete()
     assert a.is_deleted()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_cuda_mpi_problem_on_one_rank_raises_on_every_rank(monkeypatch):
+    import jaxpp_mpi._src.make_mesh as make_mesh_mod
+
+    problem = "MPI4JAX_USE_CUDA_MPI=1 makes mpi4jax hand GPU buffers to MPI"
+    monkeypatch.setattr(make_mesh_mod, "cuda_mpi_problem",
+                        lambda platforms: problem if RANK == 1 else None)
+    _raises_everywhere(lambda: make_mpmd_mesh((SIZE, K), ("stage", "data"), "stage"),
+                       ValueError, re.escape(problem) + r" \(rank\(s\) \[1\]\)$")
+
+
+def test_query_cuda_support_agrees_with_ompi_info():
+    """The library's own answer against `ompi_info`'s, for the Open MPI this job runs."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from jaxpp_mpi._src.mpi.cuda_mpi import query_cuda_support
+
+    if not MPI.Get_library_version().startswith("Open MPI"):
+        assert query_cuda_support() in (None, 0, 1)  # MPICH 4 answers too
+        return
+    ompi_info = shutil.which("ompi_info", path=f"{Path(sys.executable).parent}:"
+                             f"{os.environ.get('PATH', '')}")
+    assert ompi_info, "ompi_info not found beside python or on PATH"
+    out = subprocess.run([ompi_info, "--parsable", "-l", "9", "--all"], capture_output=True,
+                         text=True, timeout=60).stdout
+    built = re.search(r"mpi_built_with_cuda_support:value:(\w+)", out)
+    assert built, out[-2000:]
+    assert query_cuda_support() == (built.group(1) == "true")
