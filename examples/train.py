@@ -254,6 +254,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "microbatches of a step are shared out among them")
     p.add_argument("--groups", type=int, default=0,
                    help="MPMD groups in a single process (default: the MPI world size)")
+    p.add_argument("--matmul-precision", choices=("auto", "default", "high", "highest"),
+                   default="auto",
+                   help="float32 matrix products (jax_default_matmul_precision). auto: "
+                        "highest on GPUs/TPUs, whose default (TF32/bf16 passes) rounds "
+                        "by how XLA fuses, so the pipelined stages and one jax.jit of "
+                        "the step differ past the float32 check's tolerance; JAX's "
+                        "default on CPU")
     p.add_argument("--no-check", action="store_true", help="skip the jax.jit comparison")
     p.add_argument("--trace", metavar="OUT.json",
                    help="record the step after the warm-up step as a Chrome trace")
@@ -366,6 +373,11 @@ def main(argv=None) -> int:
             (replicas, groups, args.data_axis, args.model_axis),
             ("replica", "stage", "data", "model"), "stage", replica_axis_name="replica")
     rank = 0 if mesh.is_local else mesh.job_comm.Get_rank()  # the job's, every replica's
+    precision = args.matmul_precision
+    if precision == "auto":
+        precision = "default" if jax.local_devices()[0].platform == "cpu" else "highest"
+    if precision != "default":  # the pipelined run and the jax.jit check alike
+        jax.config.update("jax_default_matmul_precision", precision)
     verbose = rank == 0 and not args.quiet
     if verbose:  # compilation progress (the jaxpp_mpi logger, INFO, rank 0 only)
         handler = logging.StreamHandler(sys.stdout)
