@@ -18,19 +18,19 @@ import ctypes
 import os
 from collections.abc import Callable, Iterable, Mapping
 
-__all__ = ["cuda_mpi_problem"]
+__all__ = ["cuda_mpi_problem", "query_cuda_support"]
 
 ENV = "MPI4JAX_USE_CUDA_MPI"
-# mpi4jax's own reading of the variable (decorators._is_truthy).
-_TRUTHY = ("1", "true", "on", "yes", "y")
+# mpi4jax's own reading of the variable (decorators._is_truthy; no strip there).
+_TRUTHY = ("1", "true", "on")
 # Sonames to look the query up in when the process's global symbols lack it (mpi4py loads
 # libmpi without RTLD_GLOBAL where it links it directly).
 _LIBRARIES = (None, "libmpi.so.40", "libmpi.so")
 
 
 def query_cuda_support() -> int | None:
-    """Open MPI's `MPIX_Query_cuda_support()` from the loaded MPI library, or None where
-    no loaded library has it. Imports mpi4py (so MPI mode only)."""
+    """`MPIX_Query_cuda_support()` (Open MPI, MPICH 4) from the loaded MPI library, or
+    None where no loaded library has it. Imports mpi4py (so MPI mode only)."""
     from mpi4py import MPI  # noqa: F401  (loads libmpi)
 
     for name in _LIBRARIES:
@@ -61,7 +61,7 @@ def cuda_mpi_problem(platforms: Iterable[str], env: Mapping[str, str] = os.envir
     if not any(p in ("gpu", "cuda") for p in platforms):
         return None
     value = env.get(ENV, "")
-    if value.strip().lower() not in _TRUTHY:
+    if value.lower() not in _TRUTHY:
         return None
     support = query()
     if support is None or support:
