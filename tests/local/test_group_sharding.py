@@ -32,12 +32,6 @@ from models import (
 import jaxpp_mpi as jp
 
 MODELS = {"mlp": mlp, "transformer": transformer}
-# On JAX 0.11 (seen on a lent GPU machine's CPU backend, session 13) the last group's FB
-# family falls back to per-microbatch reduction: results right, more all-reduces. The
-# package pins jax<0.11; strict, so a fix shows up as an unexpected pass.
-_JAX_0_11_NOT_DEFERRED = pytest.mark.xfail(
-    tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 11), strict=True,
-    reason="JAX 0.11's unreduced shardings: group 1's FB family is not deferred")
 LAYOUTS = {"data": (2, 1), "model": (1, 2), "data_model": (2, 2)}
 
 
@@ -174,7 +168,6 @@ def data_parallel(num_microbatches: int):
         optimizer.init(params), params, batch)
 
 
-@_JAX_0_11_NOT_DEFERRED
 def test_data_parallel_gradients_are_reduced_once_per_step():
     """`Note: deferred reduction`: the weight gradients of a data=2 group are summed
     per device over the microbatches and all-reduced once, after the stage's last
@@ -197,7 +190,6 @@ def test_data_parallel_gradients_are_reduced_once_per_step():
         assert four[kind] - two[kind] == 2 * forward, (g, two, four)
 
 
-@_JAX_0_11_NOT_DEFERRED
 def test_each_executable_is_compiled_once(monkeypatch):
     """The layout pass compiles every executable of a multi-device group, those of the
     families whose gradient sums are deferred the deferred way (`Note: deferred

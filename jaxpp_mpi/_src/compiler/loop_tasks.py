@@ -433,7 +433,9 @@ def _task_fn(task: TaskJaxpr, export: Sequence[int], sources: Sequence[tuple],
         if first:
             new = [_first_state(op, n, v, index) for op, v in zip(ops, values)]
         else:
-            new = [op.update(s, deferred.like(v, s), index)
+            # Only an Add state takes `v`'s type; another op writes `v` into a part of
+            # its state (e.g. a microbatch's row), whose type is not `v`'s.
+            new = [op.update(s, deferred.like(v, s) if isinstance(op, Add) else v, index)
                    for op, s, v in zip(ops, states, values)]
         return (*(outs[j] for j in export), *new)
 
