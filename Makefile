@@ -8,6 +8,9 @@
 VENV        ?= .venv
 PY          := $(VENV)/bin/python
 JPPRUN      := launch/jpprun
+# launch/jpprun starts ranks with this interpreter (its default is ./.venv's): the VENV's.
+JAXPP_MPI_PYTHON ?= $(abspath $(PY))
+export JAXPP_MPI_PYTHON
 MPI_TIMEOUT ?= 900
 PYTEST_ARGS ?=
 # Processes for the single-process tests (pytest-xdist): each mostly runs one XLA compile

@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -222,13 +223,13 @@ def with_abort_on_error(command: Sequence[str], python: str) -> list[str]:
 
     Args:
       command: the program and its arguments as given to jpprun.
-      python: the interpreter to use for `python`/`python3`.
+      python: the interpreter to use for `python`, `python3` or `python3.N`.
 
     Returns:
       The command to start on every rank.
     """
     command = list(command)
-    if not command or os.path.basename(command[0]) not in ("python", "python3", "python3.11"):
+    if not command or not re.fullmatch(r"python(3(\.\d+)?)?", os.path.basename(command[0])):
         return command
     head, rest = [python], command[1:]
     while rest and rest[0].startswith("-") and rest[0] not in ("-m", "-c"):

@@ -68,6 +68,9 @@ def test_python_programs_run_through_mpi4py_abort_wrapper():
         "/py", "-u", "-X", "dev", "-m", "mpi4py", "-m", "pytest"]
     assert f(["python", "-m", "mpi4py", "t.py"], "/py") == ["/py", "-m", "mpi4py", "t.py"]
     assert f(["./a.out", "1"], "/py") == ["./a.out", "1"]
+    for name in ("python3", "python3.12", "/usr/bin/python3.13"):  # any Python 3 is the venv's
+        assert f([name, "t.py"], "/py") == ["/py", "-m", "mpi4py", "t.py"], name
+    assert f(["python3.12-config"], "/py") == ["python3.12-config"]
 
 
 @pytest.mark.parametrize(
