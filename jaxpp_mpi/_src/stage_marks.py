@@ -191,8 +191,9 @@ def _stage_end_batching(args, dims, *, name, direction, leaves):
 batching.primitive_batchers[stage_end_p] = _stage_end_batching
 
 
-def _stage_end_dce(used_outputs: list[bool], eqn: jex_core.JaxprEqn):
-    del used_outputs
+def _stage_end_dce(*args: Any):
+    # (used_outputs, eqn); JAX 0.12 passes (used_outputs, live_inputs, eqn)
+    eqn: jex_core.JaxprEqn = args[-1]
     return [True] * len(eqn.invars), eqn  # structural: never removed
 
 
