@@ -21,8 +21,13 @@
 #   4. tests/mpi/test_pipeline_mpi.py on 2 ranks;
 #   5. the example once more with MPI4JAX_USE_CUDA_MPI=1 (runs on a CUDA-aware MPI;
 #      make_mpmd_mesh refuses the wheel's, built without CUDA);
-#   6. only when named: tests/unit and tests/local on that machine's JAX, CPU backend.
-# GPU_CHECK_STEPS picks among examples, stages, tests, cudampi, cputests (default: 1-5).
+#   6. only when named: tests/unit and tests/local on that machine's JAX, CPU backend;
+#   7. only when named: issue 16's CPU benchmarks on that machine's cores, one unshared
+#      core per rank (this project's VM has 2 for 2-4 ranks): bench/schedules.py on 2
+#      ranks (GPU_CHECK_SCHEDULES_ARGS, default "--repeats 8") and bench/compile.py with
+#      4 ranks (GPU_CHECK_COMPILE_ARGS, default "--repeats 3"), JSON into OUT.
+# GPU_CHECK_STEPS picks among examples, stages, tests, cudampi, cputests, cpubench
+# (default: 1-5).
 # Never part of CI: it is what a session with a lent GPU runs (one call, ~6 minutes).
 set -u
 wheels=$(cd "${1:-.whl}" && pwd)
@@ -40,6 +45,7 @@ run() {  # run LIMIT_S CMD...: the command under a time limit, its exit status p
 
 step machine
 nvidia-smi -L
+echo "cores: $(nproc);" $(lscpu | grep -E "^(Model name|Thread|Core|Socket)" | tr -s ' ')
 py=${GPU_CHECK_PYTHON:-$(command -v python3)}
 "$py" -V
 "$py" -c 'import jax; print("jax", jax.__version__, jax.devices())'
@@ -112,5 +118,18 @@ if [[ $steps == *" cputests "* ]]; then
     tests/unit tests/local -p no:cacheprovider -q --tb=short -n "$(nproc)" \
     --timeout=120 > "$out/cputests.txt" 2>&1
   grep -E "^(FAILED|ERROR|-- exit)|passed|failed" "$out/cputests.txt" | cut -c1-300 | tail -60
+fi
+if [[ $steps == *" cpubench "* ]]; then
+  # launch/jpprun pins each rank to a core of its own and one compute thread, as here.
+  export JAX_PLATFORMS=cpu JAXPP_MPI_PYTHON="$v/bin/python"
+  step "bench/schedules.py on 2 ranks, CPU backend, a core each"
+  # shellcheck disable=SC2086  # the ARGS are options
+  run "${GPU_CHECK_SCHEDULES_S:-420}" launch/jpprun -n 2 "$v/bin/python" bench/schedules.py \
+    ${GPU_CHECK_SCHEDULES_ARGS:---repeats 8} --out "$out/schedules_cpu.json"
+  step "bench/compile.py: the 4-stage example's first step on 4 ranks vs jax.jit, CPU backend"
+  # shellcheck disable=SC2086
+  run "${GPU_CHECK_COMPILE_S:-300}" "$v/bin/python" bench/compile.py \
+    ${GPU_CHECK_COMPILE_ARGS:---repeats 3} --out "$out/compile_cpu.json"
+  unset JAX_PLATFORMS JAXPP_MPI_PYTHON
 fi
 step done
