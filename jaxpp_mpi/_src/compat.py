@@ -20,7 +20,7 @@ from jax.extend import core as jex_core
 from jax.extend import linear_util as lu
 from jax.interpreters import partial_eval as pe
 
-__all__ = ["jax_backends_initialized", "mesh_spec", "persistent_cache_used",
+__all__ = ["jax_backends_initialized", "mesh_spec", "persistent_cache_used", "register_dce_rule",
            "split_inputs", "trace_closure_converted"]
 
 
@@ -79,6 +79,17 @@ def split_inputs(jaxpr: jex_core.Jaxpr, num_consts: int) -> tuple[list[Any], lis
     """
     every = [*jaxpr.constvars, *jaxpr.invars]
     return every[:num_consts], every[num_consts:]
+
+
+def register_dce_rule(prim: jex_core.Primitive,
+                      rule: Callable[[list[bool], jex_core.JaxprEqn], Any]) -> None:
+    """Registers `rule(used_outputs, eqn) -> (used_inputs, eqn or None)` as `prim`'s rule
+    for JAX's dead-code elimination.
+
+    Why: JAX 0.12 calls DCE rules as `rule(used_outputs, live_inputs, eqn)` (live inputs:
+    for Ref-typed operands); 0.10 and 0.11 as `rule(used_outputs, eqn)`.
+    """
+    pe.dce_rules[prim] = lambda used_outputs, *rest: rule(used_outputs, rest[-1])
 
 
 def jax_backends_initialized() -> bool:

@@ -53,6 +53,8 @@ from jax.extend import core as jex_core
 from jax.interpreters import ad, batching, mlir
 from jax.interpreters import partial_eval as pe
 
+from jaxpp_mpi._src import compat
+
 __all__ = ["mark_stage_end", "pipeline_enter_stage", "stage_end_p", "is_stage_end"]
 
 T = TypeVar("T")
@@ -191,13 +193,12 @@ def _stage_end_batching(args, dims, *, name, direction, leaves):
 batching.primitive_batchers[stage_end_p] = _stage_end_batching
 
 
-def _stage_end_dce(*args: Any):
-    # (used_outputs, eqn); JAX 0.12 passes (used_outputs, live_inputs, eqn)
-    eqn: jex_core.JaxprEqn = args[-1]
+def _stage_end_dce(used_outputs: list[bool], eqn: jex_core.JaxprEqn):
+    del used_outputs
     return [True] * len(eqn.invars), eqn  # structural: never removed
 
 
-pe.dce_rules[stage_end_p] = _stage_end_dce
+compat.register_dce_rule(stage_end_p, _stage_end_dce)
 
 
 def _stage_end_partial_eval_custom(saveable, unks_in, inst_in, eqn):
