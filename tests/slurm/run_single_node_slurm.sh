@@ -10,20 +10,28 @@
 # 3. starts munged, slurmctld and slurmd, and stops them again on exit, however it exits;
 # 4. submits the template unchanged (`sbatch --wait`, CPU-only settings given as
 #    command-line options and environment, which override its #SBATCH lines), running
-#    examples/train.py on 2 tasks, once for each launch method (srun, mpirun);
+#    examples/train.py on 2 tasks per replica (JPP_REPLICAS=$SLURM_TEST_REPLICAS), once
+#    for each launch method (srun, mpirun);
 # 5. checks each job's state and output: a loss on every step and the jax.jit parity line.
 #
 # Settings (environment): SLURM_TEST_DIR (default /tmp/jaxpp_mpi_slurm), SLURM_TEST_CPUS
 # (default 2), SLURM_TEST_LAUNCHERS (default "srun mpirun"), SLURM_TEST_TIMEOUT (seconds
-# per job, default 300), SLURM_TEST_SCRIPT (the training script, default examples/train.py).
+# per job, default 300), SLURM_TEST_SCRIPT (the training script, default examples/train.py),
+# SLURM_TEST_REPLICAS (pipeline replicas, default 1: 2 x R tasks; the node is declared
+# with at least that many CPUs, more than it has if need be (config_overrides), and
+# tasks that outnumber its cores run unbound: JPP_CPU_BIND=none).
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")/../.." && pwd)
 dir=${SLURM_TEST_DIR:-/tmp/jaxpp_mpi_slurm}
-cpus=${SLURM_TEST_CPUS:-2}
 launchers=${SLURM_TEST_LAUNCHERS:-srun mpirun}
 job_timeout=${SLURM_TEST_TIMEOUT:-300}
 script=${SLURM_TEST_SCRIPT:-$here/examples/train.py}
+replicas=${SLURM_TEST_REPLICAS:-1}
+tasks=$(( 2 * replicas ))
+cpus=${SLURM_TEST_CPUS:-$(( tasks > 2 ? tasks : 2 ))}
+bind=cores  # the template's JPP_CPU_BIND: none where the tasks outnumber the cores
+(( tasks <= $(nproc) )) || bind=none
 node=$(hostname -s)
 
 say() { printf '[test-slurm] %s\n' "$*"; }
@@ -78,6 +86,7 @@ AccountingStorageType=accounting_storage/none
 JobAcctGatherType=jobacct_gather/none
 InactiveLimit=0
 KillWait=5
+SlurmdParameters=config_overrides
 MinJobAge=600
 NodeName=$node CPUs=$cpus State=UNKNOWN
 PartitionName=debug Nodes=$node Default=YES MaxTime=30 State=UP
@@ -125,6 +134,10 @@ check_job() {  # launcher, output file, sbatch status
     [ "$n" = 1 ] || { echo "$n loss lines for step $i, expected 1 (from rank 0)"; return 1; }
   done
   grep -Eq '^1f1b: 2 stages on 2 groups' "$out" || { echo "not 2 groups"; return 1; }
+  if (( replicas > 1 )); then
+    grep -Eq "^1f1b: 2 stages on 2 groups .* x $replicas replicas" "$out" \
+      || { echo "not $replicas replicas"; return 1; }
+  fi
   grep -Eq '^max \|loss - jax.jit loss\| over 2 steps: .*\(tolerance' "$out" \
     || { echo "no parity line"; return 1; }
   ! grep -q 'MISMATCH' "$out" || { echo "losses differ from jax.jit"; return 1; }
@@ -136,8 +149,8 @@ for launcher in $launchers; do
   start=$(date +%s)
   set +e
   JPP_LAUNCHER=$launcher JPP_REPO="$here" JPP_SCRIPT="$script" JPP_TRAIN_ARGS="$train_args" \
-  JPP_THREADS_PER_RANK=1 MPI4JAX_USE_CUDA_MPI=0 \
-    timeout "$job_timeout" sbatch --wait --parsable --nodes=1 --ntasks-per-node=2 \
+  JPP_THREADS_PER_RANK=1 MPI4JAX_USE_CUDA_MPI=0 JPP_REPLICAS=$replicas JPP_CPU_BIND=$bind \
+    timeout "$job_timeout" sbatch --wait --parsable --nodes=1 --ntasks-per-node="$tasks" \
       --cpus-per-task=1 --gpus-per-task=0 --time=10 --job-name="jpp-$launcher" \
       --output="$out" --chdir="$here" "$here/launch/slurm/train.sbatch" > "$dir/log/jobid"
   rc=$?
