@@ -190,6 +190,27 @@ def test_data_parallel_gradients_are_reduced_once_per_step():
         assert four[kind] - two[kind] == 2 * forward, (g, two, four)
 
 
+def test_only_add_states_take_their_values_layout(monkeypatch):
+    """A deferred family's tasks give each `Add` state's new value the state's Explicit
+    type (`deferred.like`); a `Concat` state (here the per-microbatch losses) takes its
+    microbatch's row as it is. JAX 0.11 refused a scalar laid out as the whole row, which
+    silently sent the family back to per-microbatch reduction."""
+    from jaxpp_mpi._src.compiler import deferred
+
+    like = deferred.like
+    calls = []
+
+    def checked(v, state):
+        calls.append((jax.typeof(v).shape, jax.typeof(state).shape))
+        return like(v, state)
+
+    monkeypatch.setattr(deferred, "like", checked)
+    compiled = data_parallel.__wrapped__(4)  # compiled afresh, not an earlier test's
+    assert calls and all(v == s for v, s in calls), calls
+    families = {(g, name.split("_")[0]) for g, name in compiled._compiler.unreduced}
+    assert families == {(0, "B0"), (1, "FB1")}, sorted(compiled._compiler.unreduced)
+
+
 def test_each_executable_is_compiled_once(monkeypatch):
     """The layout pass compiles every executable of a multi-device group, those of the
     families whose gradient sums are deferred the deferred way (`Note: deferred
