@@ -15,8 +15,9 @@
 # 5. checks each job's state and output: a loss on every step and the jax.jit parity line.
 #
 # Settings (environment): SLURM_TEST_DIR (default /tmp/jaxpp_mpi_slurm), SLURM_TEST_CPUS
-# (default: the tasks, at least 2), SLURM_TEST_LAUNCHERS (default "srun mpirun"), SLURM_TEST_TIMEOUT (seconds
-# per job, default 300), SLURM_TEST_SCRIPT (the training script, default examples/train.py),
+# (default: the tasks, at least 2), SLURM_TEST_LAUNCHERS (default "srun mpirun"),
+# SLURM_TEST_TIMEOUT (seconds per job, default 300), SLURM_TEST_SCRIPT (the training
+# script, default examples/train.py),
 # SLURM_TEST_REPLICAS (pipeline replicas, default 1: 2 x R tasks; the node is declared
 # with at least that many CPUs, more than it has if need be (config_overrides), and
 # tasks that outnumber its cores run unbound: JPP_CPU_BIND=none).

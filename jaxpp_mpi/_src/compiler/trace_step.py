@@ -111,17 +111,17 @@ def trace_step(fun: Callable, args: Sequence[Any], *, what: str = "the step",
     index, loop = loops[0]
     # Literal loop operands (scalars JAX inlined) become constants like any other, so
     # that every loop operand is a variable the homes pass can put on groups.
-    consts, invars = list(closed.consts), []
-    constvars, step_invars = split_inputs(jaxpr, len(consts))
+    consts, loop_invars = list(closed.consts), []
+    constvars, invars = split_inputs(jaxpr, len(consts))
     for x in loop.invars:
         if isinstance(x, jex_core.Literal):
             v = jex_core.Var(x.aval)
             consts.append(x.val)
             constvars.append(v)
             x = v
-        invars.append(x)
+        loop_invars.append(x)
     eqns = list(jaxpr.eqns)
-    eqns[index] = loop.replace(invars=invars)
-    flat = new_jaxpr([*constvars, *step_invars], jaxpr.outvars, eqns, name="step")
+    eqns[index] = loop.replace(invars=loop_invars)
+    flat = new_jaxpr([*constvars, *invars], jaxpr.outvars, eqns, name="step")
     _, out_tree = jax.tree.flatten(out_shape)
     return TracedStep(flat, tuple(consts), index, out_tree)
