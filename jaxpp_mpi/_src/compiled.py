@@ -41,7 +41,8 @@ from jaxpp_mpi._src.array import MpmdArray, MpmdSharding, mpmd_array_from_local
 from jaxpp_mpi._src.compiler.build import StepPlan
 from jaxpp_mpi._src.compiler.loop_tasks import key_struct
 from jaxpp_mpi._src.errors import CompileError
-from jaxpp_mpi._src.group_compiler import GroupCompiler, flops
+from jaxpp_mpi._src.group_compiler import GroupCompiler, flops, memory_stats
+from jaxpp_mpi._src.ir.memory import live_bytes
 from jaxpp_mpi._src.ir.program import Aval, GroupProgram, Program, Run
 from jaxpp_mpi._src.mesh import MpmdMesh
 from jaxpp_mpi._src.types import PyTree
@@ -142,6 +143,41 @@ class MpmdCompiled:
             per_exe = {name: flops(exe) for name, exe in exes.items()}
             runs = [i.exe for i in self.plan.program.group(g).instrs if isinstance(i, Run)]
             out.append({"flops": float(sum(per_exe[name] for name in runs)),
+                        "per_executable": per_exe})
+        return out
+
+    def memory_analysis(self) -> list[dict[str, Any] | None]:
+        """Device memory of one step, per group, per device (`Note: live bytes` in
+        ir/memory.py): for checking that a schedule fits before running it.
+
+        Returns:
+          One entry per MPMD index: None for a group this process does not hold (in MPI
+          mode, every group but this rank's), else a dict with
+          - `"peak_bytes"`: the step's peak on each of the group's devices: the program's
+            live buffers (weights, optimizer state, inputs, gradient accumulators,
+            activations held between a microbatch's forward and backward, received
+            messages) plus, during each run, its new outputs and XLA's scratch space;
+          - `"peak_live_bytes"`: the most the live buffers hold between instructions;
+          - `"argument_bytes"`: the step inputs the group holds;
+          - `"peak_at"`: the instruction (`str`) where the peak falls;
+          - `"per_executable"`: `{executable name: XLA's memory analysis of one run}`
+            (see `group_compiler.memory_stats`; None where the backend gives none).
+        """
+        out: list[dict[str, Any] | None] = []
+        axis_sizes = dict(self.mesh.group_shape)
+        for g, exes in enumerate(self._executables):
+            if g not in self.mesh.local_groups:
+                out.append(None)
+                continue
+            per_exe = {name: memory_stats(exe) for name, exe in exes.items()}
+            temp = {name: s["temp_size_in_bytes"] for name, s in per_exe.items() if s}
+            gp = self.plan.program.group(g)
+            profile = live_bytes(gp, axis_sizes, temp)
+            out.append({"peak_bytes": profile.peak_bytes,
+                        "peak_live_bytes": profile.peak_live_bytes,
+                        "argument_bytes": profile.argument_bytes,
+                        "peak_at": (str(gp.instrs[profile.peak_at])
+                                    if profile.peak_at >= 0 else "start"),
                         "per_executable": per_exe})
         return out
 

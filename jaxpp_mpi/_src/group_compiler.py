@@ -89,6 +89,23 @@ def flops(exe: jax.stages.Compiled) -> float:
     return float((cost or {}).get("flops", 0.0))
 
 
+_MEMORY_FIELDS = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
+                  "temp_size_in_bytes", "generated_code_size_in_bytes")
+
+
+def memory_stats(exe: jax.stages.Compiled) -> dict[str, int] | None:
+    """XLA's memory analysis of one run of `exe`, per device, as a dict of its byte
+    counts (`argument_size_in_bytes`, `output_size_in_bytes`, `alias_size_in_bytes`,
+    `temp_size_in_bytes`, `generated_code_size_in_bytes`), or None where the backend
+    gives none."""
+    stats = exe.memory_analysis()
+    if isinstance(stats, (list, tuple)):  # older JAX: one entry per program
+        stats = stats[0] if stats else None
+    if stats is None:
+        return None
+    return {f: int(getattr(stats, f, 0) or 0) for f in _MEMORY_FIELDS}
+
+
 def _compile_failed(failed: list[int], messages: Sequence[str | None]) -> CompileError:
     """The error every rank raises when some ranks failed to compile their executables
     while the ranks were agreeing on layouts."""
@@ -119,6 +136,10 @@ class _FromPlain:
     def as_text(self) -> str:
         """The plain variant's optimized HLO (what runs)."""
         return self.plain.as_text()
+
+    def memory_analysis(self) -> Any:
+        """The plain variant's (what runs; the fill's states are its inputs)."""
+        return self.plain.memory_analysis()
 
 
 class GroupCompiler:
