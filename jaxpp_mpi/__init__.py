@@ -9,6 +9,12 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+from jaxpp_mpi._src.launch.auto import apply_auto_settings as _apply_auto_settings
+
+# This rank's CPU settings under any MPI launcher, before anything can create JAX's
+# backends (Note: Settings at import in _src/launch/auto.py; JAXPP_MPI_AUTO_SETTINGS=0: off).
+_apply_auto_settings()
+
 # public name -> private module under jaxpp_mpi._src
 _EXPORTS = {
     "MpmdCompiled": "compiled",

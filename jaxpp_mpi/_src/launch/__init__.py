@@ -1,1 +1,2 @@
-"""Launching (stdlib only): the launchers' environment, device binding per rank, jpprun."""
+"""Launching (stdlib only): the launchers' environment, device binding per rank, the
+settings `import jaxpp_mpi` applies (auto.py), jpprun."""

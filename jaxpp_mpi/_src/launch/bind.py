@@ -26,13 +26,13 @@ from collections.abc import Mapping, Sequence
 
 from jaxpp_mpi._src.launch.env import (
     GPUS_PER_RANK_ENV,
-    THREADS_PER_RANK_ENV,
     BindError,
     LocalRank,
     count_node_gpus,
     detect_local_rank,
     env_int,
     thread_env,
+    threads_from_env,
     visible_gpus,
 )
 
@@ -114,8 +114,7 @@ def plan_binding(
             raise BindError(f"SLURM_GPUS_PER_TASK={slurm_gpus!r} has no GPU count")
         gpus_per_rank = int(count)
     if threads_per_rank is None:
-        threads_per_rank = (env_int(env, THREADS_PER_RANK_ENV)
-                            or env_int(env, "SLURM_CPUS_PER_TASK"))
+        threads_per_rank = threads_from_env(env)
     for name, value in (("gpus_per_rank", gpus_per_rank), ("threads_per_rank",
                         threads_per_rank), ("cpu_devices", cpu_devices)):
         if value is not None and value < (0 if name == "gpus_per_rank" else 1):
@@ -165,7 +164,8 @@ def bind_local_devices(
     rank (Note: Local rank detection in env.py), then sets `CUDA_VISIBLE_DEVICES` (GPU) or the
     thread settings, CPU device count and core affinity (CPU) of this process (Note:
     Device binding). Importing JAX before is fine; creating its backends (any
-    computation, `jax.devices()`) is not.
+    computation, `jax.devices()`) is not. What `import jaxpp_mpi` applied by itself
+    (Note: Settings at import in auto.py) is undone first: this call decides instead.
 
     Args:
       platform: 'auto', 'gpu' or 'cpu' (see `plan_binding`).
@@ -187,6 +187,9 @@ def bind_local_devices(
             raise BindError("bind_local_devices() must run before JAX initialises its "
                             "backends (before the first jax.devices() or computation); "
                             "call it at the top of the script")
+    from jaxpp_mpi._src.launch import auto  # auto plans with this module: imported here
+
+    auto.undo_auto_settings()
     binding = plan_binding(
         detect_local_rank(os.environ), os.environ, cores=sorted(os.sched_getaffinity(0)),
         node_gpus=count_node_gpus(), platform=platform, gpus_per_rank=gpus_per_rank,

@@ -1,7 +1,9 @@
 """What a launched rank reads from and writes to its environment (stdlib only, no JAX).
 
 The one home of the launchers' variable names, shared by jpprun (which writes the
-environment every rank starts with) and `jaxpp_mpi.launch` (which reads it on each rank).
+environment every rank starts with), `jaxpp_mpi.launch` (which reads it on each rank) and
+the settings `import jaxpp_mpi` applies (Note: Settings at import in auto.py), with the
+facts about the node they read (its GPUs, the cores it gives the job).
 
 Note: Local rank detection.
   Every launcher tells a process where it sits on its node through the environment, each
@@ -35,6 +37,8 @@ from typing import NamedTuple
 
 THREADS_PER_RANK_ENV = "JAXPP_MPI_THREADS_PER_RANK"
 GPUS_PER_RANK_ENV = "JAXPP_MPI_GPUS_PER_RANK"
+# `0`/`off`: `import jaxpp_mpi` leaves the rank's settings alone (Note: Settings at import).
+AUTO_SETTINGS_ENV = "JAXPP_MPI_AUTO_SETTINGS"
 # Note: one-thread XLA flags.
 #   A rank with one compute thread gets XLA's multi-threaded CPU kernels off, and XLA's
 #   memory-minimising CPU scheduler instead of the concurrency-optimised default: with one
@@ -44,10 +48,14 @@ GPUS_PER_RANK_ENV = "JAXPP_MPI_GPUS_PER_RANK"
 #   slower, from page faults on 128 MiB of fresh temporaries per call (bench/README.md:
 #   ZeroBubble 0.57 -> 0.95 of its ideal). The flag is global (XLA reads it from
 #   XLA_FLAGS, not from a compile's `compiler_options`). A flag the user set either way
-#   is kept as given.
+#   is kept as given. jpprun exports them (`thread_env`); a rank started by another
+#   launcher gets them from `import jaxpp_mpi` (Note: Settings at import in auto.py).
 _SINGLE_THREAD_XLA = ("--xla_cpu_multi_thread_eigen=false",
                       "--xla_cpu_enable_concurrency_optimized_scheduler=false")
 _NVIDIA_GPUS_DIR = "/proc/driver/nvidia/gpus"
+_CGROUP_ROOT = "/sys/fs/cgroup"
+_ON = ("1", "true", "yes", "on")
+_OFF = ("0", "false", "no", "off")
 
 
 class LauncherVars(NamedTuple):
@@ -262,6 +270,41 @@ def thread_env(threads: int, base_env: Mapping[str, str]) -> dict[str, str]:
     return env
 
 
+def threads_from_env(env: Mapping[str, str]) -> int | None:
+    """The compute threads per rank the environment asks for, or None when it does not.
+
+    Args:
+      env: the environment.
+
+    Returns:
+      `$JAXPP_MPI_THREADS_PER_RANK` (jpprun exports it to every rank), else
+      `$SLURM_CPUS_PER_TASK` (the cores Slurm gave each task), else None.
+
+    Raises:
+      BindError: when the value is not an integer.
+    """
+    return env_int(env, THREADS_PER_RANK_ENV) or env_int(env, "SLURM_CPUS_PER_TASK")
+
+
+def auto_settings_enabled(env: Mapping[str, str]) -> bool:
+    """Whether `import jaxpp_mpi` may apply the rank's settings (`JAXPP_MPI_AUTO_SETTINGS`).
+
+    Args:
+      env: the environment.
+
+    Returns:
+      False for `0`, `false`, `no` or `off`; True when unset, empty, or `1`, `true`,
+      `yes`, `on`.
+
+    Raises:
+      BindError: on any other value.
+    """
+    raw = env.get(AUTO_SETTINGS_ENV, "").strip().lower() or "1"
+    if raw not in _ON + _OFF:
+        raise BindError(f"{AUTO_SETTINGS_ENV}={env[AUTO_SETTINGS_ENV]!r}: use 1 or 0")
+    return raw in _ON
+
+
 def visible_gpus(env: Mapping[str, str], node_gpus: int) -> list[str]:
     """The GPU ids this process may use: `CUDA_VISIBLE_DEVICES` if set, else all of them.
 
@@ -287,3 +330,79 @@ def count_node_gpus(driver_dir: str = _NVIDIA_GPUS_DIR) -> int:
         return len(os.listdir(driver_dir))
     except OSError:
         return 0
+
+
+def gpu_plugin_installed() -> bool:
+    """Whether a GPU PJRT plugin for JAX (CUDA or ROCm) is installed, without importing it.
+
+    JAX finds its plugins as modules of the `jax_plugins` namespace package (e.g.
+    `jax_plugins.xla_cuda12`); this looks for them on the path without importing JAX.
+    """
+    import importlib.util
+    import pkgutil
+
+    spec = importlib.util.find_spec("jax_plugins")
+    if spec is None or spec.submodule_search_locations is None:
+        return False
+    return any(("cuda" in m.name or "rocm" in m.name)
+               for m in pkgutil.iter_modules(list(spec.submodule_search_locations)))
+
+
+def count_cpu_list(text: str) -> int:
+    """The number of CPUs in a Linux CPU list such as `0-3,8,10-11` (0 for an empty one).
+
+    Raises:
+      ValueError: on a malformed list.
+    """
+    count = 0
+    for item in text.strip().split(","):
+        if not item:
+            continue
+        first, _, last = item.partition("-")
+        count += int(last or first) - int(first) + 1
+    return count
+
+
+def _cgroup_cpuset_files(proc_cgroup: str, root: str) -> list[str]:
+    """The cpuset files that may hold this process's CPUs, its own cgroup's first."""
+    try:
+        with open(proc_cgroup) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    files = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # cgroup v2: one tree for every controller
+            base, name = root, "cpuset.cpus.effective"
+        elif "cpuset" in controllers.split(","):  # cgroup v1: the cpuset tree
+            base, name = os.path.join(root, "cpuset"), "cpuset.effective_cpus"
+        else:
+            continue
+        parts = [p for p in path.split("/") if p]
+        # Its own cgroup, then each ancestor (a container sees its cgroup as the root).
+        files += [os.path.join(base, *parts[:k], name) for k in range(len(parts), -1, -1)]
+    return files
+
+
+def count_node_cores(proc_cgroup: str = "/proc/self/cgroup", cgroup_root: str = _CGROUP_ROOT
+                     ) -> int:
+    """The CPUs this node gives the job: its cgroup's cpuset (a container's, or Slurm's
+    for the job on a shared node) where it can be read, else every CPU of the node.
+
+    Args:
+      proc_cgroup: the process's cgroup membership file.
+      cgroup_root: where the cgroup trees are mounted.
+
+    Returns:
+      The CPU count (at least 1).
+    """
+    for name in _cgroup_cpuset_files(proc_cgroup, cgroup_root):
+        try:
+            with open(name) as f:
+                count = count_cpu_list(f.read())
+        except (OSError, ValueError):
+            continue
+        if count > 0:
+            return count
+    return os.cpu_count() or 1

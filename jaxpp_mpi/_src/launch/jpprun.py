@@ -18,7 +18,8 @@ Note: Launcher settings.
     waiting in their next message.
   - The thread settings reach every rank through the environment (`XLA_FLAGS`,
     `OMP_NUM_THREADS`, `JAXPP_MPI_THREADS_PER_RANK`), exported with `-x` under Open MPI
-    and `-genv` under MPICH/Hydra.
+    and `-genv` under MPICH/Hydra. A rank started by another launcher gets the same
+    settings and core from `import jaxpp_mpi` (Note: Settings at import in auto.py).
   - GPUs (`--gpus-per-rank K`, or by default the visible GPUs shared evenly when there are
     at least as many as ranks; with fewer, a note and no GPU binding, so a CPU test run
     on a one-GPU machine still starts): mpirun cannot give each rank different environment
