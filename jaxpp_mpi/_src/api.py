@@ -432,7 +432,9 @@ def _runtime_sends(mesh: MpmdMesh) -> str:
         return "blocking"
     device = next(iter(mesh.jax_mesh.devices.flat), None)  # none: a submesh without us
     platform = device.platform if device is not None else jax.default_backend()
-    return runtime_sends(platform, config.options().posted_sends)
+    options = config.options()
+    return runtime_sends(platform, options.posted_sends,
+                         config.stages_messages(options, platform))
 
 
 def _task_times(task_times_ms: Any) -> dict[str, float] | None:

@@ -20,6 +20,13 @@ Variables:
   JAXPP_MPI_POSTED_SENDS: `1` (default): on CPU, MPI mode posts its sends (non-blocking,
     `Note: posted sends` in mpi/posted.py) and lowers for them; `0`: blocking sends
     (message chains), as on other platforms.
+  JAXPP_MPI_STAGED_MESSAGES: `auto` (default): a non-CPU group's messages are *staged*
+    (copied through host memory by a sender and a receiver thread, off the dispatching
+    thread: `Note: staged messages` in mpi/staged.py) unless MPI4JAX_USE_CUDA_MPI is
+    true (MPI then takes device buffers: message chains); CPU groups keep posted
+    sends. `1`: staged on every platform, CPU included; `0`: never (chains, and posted
+    sends on CPU). Staging needs MPI_THREAD_MULTIPLE; with less it falls back to `0`'s
+    path with a warning.
   JAXPP_MPI_REPLICA_BUCKET_MB: with pipeline replicas, the most MiB of loop outputs
     (gradients) one all-reduce across replicas carries (default 64, chosen by
     bench/replicas.py; `0`: one all-reduce per task's results; `Note: replica
@@ -36,7 +43,7 @@ import functools
 import os
 from collections.abc import Mapping
 
-__all__ = ["Options", "options", "parse_options"]
+__all__ = ["Options", "options", "parse_options", "stages_messages"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +67,10 @@ class Options:
         (tracing, compiling), when longer.
       replica_bucket_bytes: the largest all-reduce across pipeline replicas, in bytes.
       posted_sends: whether MPI mode posts its sends where the platform allows (CPU).
+      staged_messages: JAXPP_MPI_STAGED_MESSAGES: "auto", "1" or "0" (see
+        `stages_messages`).
+      cuda_mpi: whether mpi4jax hands device buffers to MPI (MPI4JAX_USE_CUDA_MPI, read
+        as mpi4jax reads it).
       shared_compiles: whether ranks that need the same executable compile it once.
     """
 
@@ -78,6 +89,8 @@ class Options:
     work_factor: float = 5.0
     replica_bucket_bytes: int = 64 << 20
     posted_sends: bool = True
+    staged_messages: str = "auto"
+    cuda_mpi: bool = False
     shared_compiles: bool = True
 
 
@@ -99,6 +112,28 @@ def _flag(env: Mapping[str, str], name: str) -> bool:
     if raw not in ("0", "1", "true", "false", "yes", "no", "on", "off"):
         raise ValueError(f"{name}={raw!r}: use 1 or 0")
     return raw in ("1", "true", "yes", "on")
+
+
+_STAGED = {"auto": "auto", "1": "1", "true": "1", "yes": "1", "on": "1",
+           "0": "0", "false": "0", "no": "0", "off": "0"}
+
+
+def _staged(env: Mapping[str, str]) -> str:
+    """JAXPP_MPI_STAGED_MESSAGES as "auto", "1" or "0"."""
+    raw = env.get("JAXPP_MPI_STAGED_MESSAGES", "auto").strip().lower() or "auto"
+    if raw not in _STAGED:
+        raise ValueError(f"JAXPP_MPI_STAGED_MESSAGES={raw!r}: use auto, 1 or 0")
+    return _STAGED[raw]
+
+
+def stages_messages(options: Options, platform: str) -> bool:
+    """Whether MPI mode stages the messages of a group on `platform` (`Note: staged
+    messages` in mpi/staged.py), as JAXPP_MPI_STAGED_MESSAGES says: `auto` off CPU
+    unless MPI takes device buffers (MPI4JAX_USE_CUDA_MPI), `1` everywhere, `0` never.
+    (The runtime also needs MPI_THREAD_MULTIPLE: `staged.stages_messages`.)"""
+    if options.staged_messages == "auto":
+        return platform != "cpu" and not options.cuda_mpi
+    return options.staged_messages == "1"
 
 
 def _timeout(env: Mapping[str, str], name: str) -> tuple[bool, float | None]:
@@ -133,6 +168,9 @@ def parse_options(env: Mapping[str, str]) -> Options:
         heap_tuning=_flag(env, "JAXPP_MPI_HEAP_TUNING"),
         replica_bucket_bytes=int(_float(env, "JAXPP_MPI_REPLICA_BUCKET_MB", 64.0) * (1 << 20)),
         posted_sends=_flag(env, "JAXPP_MPI_POSTED_SENDS"),
+        staged_messages=_staged(env),
+        # mpi4jax's own reading (decorators._is_truthy: lower-cased, not stripped)
+        cuda_mpi=env.get("MPI4JAX_USE_CUDA_MPI", "").lower() in ("1", "true", "on"),
         shared_compiles=_flag(env, "JAXPP_MPI_SHARED_COMPILES"),
     )
 

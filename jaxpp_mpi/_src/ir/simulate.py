@@ -85,12 +85,14 @@ def _no_reduce(instr: AllReduce, g: GroupProgram) -> float:
     return 0.0
 
 
-def runtime_sends(platform: str, posted_sends: bool = True) -> str:
+def runtime_sends(platform: str, posted_sends: bool = True, staged: bool = False) -> str:
     """How the MPI executor sends from a group on `platform`: "posted" on CPU (`Note:
     posted sends` in mpi/posted.py) unless `posted_sends` is off (the option
-    JAXPP_MPI_POSTED_SENDS), else "blocking" (message chains). The compiler times its
-    candidate orders the same way."""
-    return "posted" if platform == "cpu" and posted_sends else "blocking"
+    JAXPP_MPI_POSTED_SENDS), and wherever messages are `staged` (`Note: staged
+    messages` in mpi/staged.py: a staged send never holds the group either; the
+    option JAXPP_MPI_STAGED_MESSAGES, resolved by `config.stages_messages`), else
+    "blocking" (message chains). The compiler times its candidate orders the same way."""
+    return "posted" if staged or (platform == "cpu" and posted_sends) else "blocking"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -34,15 +34,28 @@ Note: messages.
   the receiver. A SendRecv then posts its send shards and receives its receive shards
   through the chain; a posted send cannot block, so no pairing is needed there.
 
+  Off CPU, unless MPI takes device buffers (and everywhere with
+  JAXPP_MPI_STAGED_MESSAGES=1: `config.stages_messages`), every message is *staged*
+  instead (`Note: staged messages` in mpi/staged.py, which argues its order and its
+  deadlock freedom): a sender thread posts the sends from host copies, first in first
+  out, and a receiver thread serves the receives in program order, a window ahead of
+  the dispatching thread, and copies them to the devices; a Send only queues its
+  shards, a Recv takes what the receiver has. Program order per channel, and so the
+  pairing above, holds on each thread; both halves of a SendRecv go through the
+  threads, unpaired; a Run donating a buffer whose staged send has no host copy yet
+  waits for that copy first.
+
   Otherwise nothing blocks Python: each step dispatches executables and chains
-  asynchronously (a posted send waits for the value it sends); the order chain keeps
-  this rank's receives (and, off CPU, its sends) in program order, which the verifier
+  asynchronously (a posted send waits for the value it sends, a staged Recv for a
+  value not received yet); the order chain keeps
+  this rank's chained receives and sends in program order, which the verifier
   proved deadlock-free under rendezvous semantics.
 """
 
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -66,6 +79,7 @@ from jaxpp_mpi._src.ir.program import (
 from jaxpp_mpi._src.mpi import chains
 from jaxpp_mpi._src.mpi.heap import tune_heap
 from jaxpp_mpi._src.mpi.posted import PostedSends, posts_sends
+from jaxpp_mpi._src.mpi.staged import StagedRecvs, StagedSends, stages_messages
 from jaxpp_mpi._src.runtime.executor import (
     BufferLayout,
     Executable,
@@ -81,9 +95,10 @@ from jaxpp_mpi._src.runtime.executor import (
     bind_steps,
     execute,
     timed_message,
+    wall_ns,
 )
 from jaxpp_mpi._src.runtime.failure import Watchdog, describe_task, install_abort_on_exception
-from jaxpp_mpi._src.timeline.timing import active_task_times
+from jaxpp_mpi._src.timeline.timing import TraceEvent, active_task_times
 
 __all__ = ["MpiExecutor", "ShardPlan", "adopt_comm"]
 
@@ -243,7 +258,15 @@ class MpiExecutor:
         self._messenger = _Messenger(comm, replica_comm)
         first_device = sharding(Aval((), "int32")).mesh.devices.flat[0]
         self._chain = chains.Chain(first_device)
-        posted = posts_sends(first_device, options.posted_sends)
+        self._sends: StagedSends | None = None
+        self._recvs: StagedRecvs | None = None
+        if stages_messages(first_device, options):  # Note: staged messages
+            self._sends = StagedSends(comm, f"jaxpp_mpi-sender-g{mpmd_idx}")
+            self._recvs = StagedRecvs(comm, f"jaxpp_mpi-receiver-g{mpmd_idx}")
+            weakref.finalize(self, _stop_threads, self._sends, self._recvs)
+        self._sent_bufs: set[int] = set()  # buffers sent so far in binding order
+        self._sent_seq = [0] * layout.size  # per slot: its staged send's FIFO number
+        posted = self._sends is None and posts_sends(first_device, options.posted_sends)
         self._posted = PostedSends(comm) if posted else None
         self._plans: dict[Aval, ShardPlan] = {}
         self._sharding = sharding
@@ -251,7 +274,7 @@ class MpiExecutor:
         tables: list[Mapping[str, Executable]] = [{} for _ in range(program.num_groups)]
         tables[mpmd_idx] = executables
         binders: dict[type, StepBinder] = {
-            Run: bind_run(layout, tables),
+            Run: self._guard_donations(bind_run(layout, tables)),
             Free: bind_free(layout),
             Send: self._bind_send,
             Recv: self._bind_recv,
@@ -259,6 +282,9 @@ class MpiExecutor:
             AllReduce: self._bind_allreduce,
         }
         self._steps = bind_steps(((mpmd_idx, i) for i in gp.instrs), binders)
+        # The staged sends of values that outlive the step (`Note: staged messages`).
+        lasting = {b for b, _ in gp.inputs} | {b for b, _ in gp.outputs}
+        self._lasting_sends = [layout.slot(mpmd_idx, b) for b in sorted(lasting & self._sent_bufs)]
         self._watchdog = None
         self._has_messages = any(isinstance(i, _MPI_INSTRS) for i in gp.instrs)
         if options.watchdog:
@@ -278,11 +304,50 @@ class MpiExecutor:
             plan = self._plans[aval] = ShardPlan(aval, self._sharding(aval))
         return plan
 
+    def _guard_donations(self, bind: StepBinder) -> StepBinder:
+        """`bind` (Run's binder), whose steps first wait for the host copies of the
+        donated buffers that a staged send took earlier in the program (`Note: staged
+        messages`). Relies on `bind_steps` binding in program order: `_sent_bufs` holds
+        the buffers sent before the Run being bound."""
+
+        def guarded(group: int, instr: Run) -> tuple[Step, Step]:
+            run, timed = bind(group, instr)
+            slots = [self.layout.slot(group, b) for b in instr.donate if b in self._sent_bufs]
+            if self._sends is None or not slots:
+                return run, timed
+            sends, seqs = self._sends, self._sent_seq
+
+            def wait_then(step: Step) -> Step:
+                def step_after_copies(table: Table, times: Any) -> None:
+                    sends.wait_copied(max(seqs[s] for s in slots))
+                    step(table, times)
+
+                return step_after_copies
+
+            return wait_then(run), wait_then(timed)
+
+        return guarded
+
+    def _start_staged(self, times: Any) -> None:
+        """A step's start for staged messages: the threads' trace hooks (when events
+        are recorded) and the receiver's go."""
+        events = times.events if times is not None else None
+        self._sends.start_step(_recorder(events, self.mpmd_idx, "sender"))
+        self._recvs.start_step(_recorder(events, self.mpmd_idx, "receiver"))
+
     def _bind_send(self, group: int, instr: Send) -> tuple[Step, Step]:
         slot = self.layout.slot(group, instr.buf)
         plan = self._plan(self.group_program.aval(instr.buf))
         m, chain, posted, dst = self._messenger, self._chain, self._posted, instr.dst
         args = {"dst": dst, "tag": instr.tag, "buf": instr.buf, "bytes": plan.nbytes}
+        if (staged := self._sends) is not None:
+            self._sent_bufs.add(instr.buf)
+            seqs = self._sent_seq
+
+            def stage(table: Table, times: Any) -> None:
+                seqs[slot] = staged.send(plan.shards_of(table[slot]), dst, args).seq
+
+            return stage, timed_message(stage, group, "send", args, _nothing)
         if posted is not None:
             def post(table: Table, times: Any) -> None:
                 posted.post_shards(plan.shards_of(table[slot]), dst)
@@ -300,12 +365,22 @@ class MpiExecutor:
         slot = self.layout.slot(group, instr.buf)
         plan = self._plan(instr.aval)
         m, chain = self._messenger, self._chain
+        args = {"src": instr.src, "tag": instr.tag, "buf": instr.buf, "bytes": plan.nbytes}
+        if (staged := self._recvs) is not None:
+            k = staged.add(plan, instr.src, args)
+
+            def take(table: Table, times: Any) -> None:
+                table[slot] = staged.take(k)
+
+            def take_ready(table: Table, times: Any) -> None:  # timed: on the device
+                table[slot] = jax.block_until_ready(staged.take(k))
+
+            return take, timed_message(take_ready, group, "recv", args, _nothing)
         recvs = [m.recv(plan, j, instr.src) for j in range(len(plan.pieces))]
 
         def step(table: Table, times: Any) -> None:
             table[slot] = plan.assemble(_received(chain, recvs))
 
-        args = {"src": instr.src, "tag": instr.tag, "buf": instr.buf, "bytes": plan.nbytes}
         return step, timed_message(step, group, "recv", args, chain.wait)
 
     def _bind_sendrecv(self, group: int, instr: SendRecv) -> tuple[Step, Step]:
@@ -319,6 +394,21 @@ class MpiExecutor:
         args = {"peer": peer, "send_tag": instr.send_tag, "recv_tag": instr.recv_tag,
                 "send_buf": instr.send_buf, "recv_buf": instr.recv_buf,
                 "send_bytes": s_plan.nbytes, "recv_bytes": r_plan.nbytes}
+        if (staged := self._sends) is not None:  # both halves staged: nothing to pair
+            self._sent_bufs.add(instr.send_buf)
+            recvs_staged = self._recvs
+            k = recvs_staged.add(r_plan, peer, args)
+            seqs = self._sent_seq
+
+            def stage(table: Table, times: Any) -> None:
+                seqs[s_slot] = staged.send(s_plan.shards_of(table[s_slot]), peer, args).seq
+                table[r_slot] = recvs_staged.take(k)
+
+            def stage_ready(table: Table, times: Any) -> None:  # timed: on the device
+                stage(table, times)
+                jax.block_until_ready(table[r_slot])
+
+            return stage, timed_message(stage_ready, group, "sendrecv", args, _nothing)
         if (posted := self._posted) is not None:  # posted first, so no order can block
             recvs = [m.recv(r_plan, j, peer) for j in range(len(r_plan.pieces))]
 
@@ -394,12 +484,15 @@ class MpiExecutor:
         if self._posted is not None:
             self._posted.reap()  # the last step's sends, mostly done by now
         self._bind_inputs(table, step_inputs)
+        times = active_task_times()
+        if self._sends is not None:
+            self._start_staged(times)
         wd = self._watchdog
         if wd is None:
             execute(self._steps, table)
+            self._lasting_copied(times)
             return self._collect(table)
         wd.step_started()
-        times = active_task_times()
         try:
             for k, step in enumerate(self._steps.untimed if times is None
                                      else self._steps.timed):
@@ -408,26 +501,50 @@ class MpiExecutor:
         except BaseException:
             wd.step_abandoned()  # the error is the caller's to report, not a hang
             raise
-        wd.step_dispatched(self._chain.order if self._has_messages else None)
+        last = self._chain.order if self._has_messages else None
+        if self._sends is not None:  # done once its sends are posted, too
+            last = _AllReady((last, self._sends.last))
+        wd.step_dispatched(last)
+        self._lasting_copied(times)
         return self._collect(table)
+
+    def _lasting_copied(self, times: Any) -> None:
+        """Waits until the staged sends of the step's inputs and outputs hold their host
+        copies: the caller, or the next step, may donate them (`Note: staged
+        messages`). A step whose events are recorded waits for all of its sends, so its
+        events are complete when it returns."""
+        if times is not None and times.events is not None and self._sends is not None:
+            self._sends.wait()
+        elif self._lasting_sends:
+            self._sends.wait_copied(max(self._sent_seq[s] for s in self._lasting_sends))
 
     def _marked(self, steps: StepLists, wd: Watchdog) -> StepLists:
         """`steps` where each message step leaves its chain's order array in
-        `wd.marks` (see `Note: watchdog`)."""
-        chain, marks = self._chain, wd.marks
+        `wd.marks` (see `Note: watchdog`); a staged send its `StagedSend` (ready once
+        posted), a staged receive nothing (taken, it is done)."""
+        chain, marks, sends = self._chain, wd.marks, self._sends
 
-        def mark(k: int, step: Step) -> Step:
+        def mark(k: int, step: Step, what: Callable[[], Any]) -> Step:
             def marked(table: Table, times: Any) -> None:
                 step(table, times)
-                marks[k] = chain.order
+                marks[k] = what()
 
             return marked
+
+        def order() -> Any:
+            return chain.order
+
+        def last_send() -> Any:
+            return sends.last
 
         pairs = []
         for k, (instr, untimed, timed) in enumerate(
                 zip(self.group_program.instrs, steps.untimed, steps.timed)):
-            if isinstance(instr, _MPI_INSTRS):
-                untimed, timed = mark(k, untimed), mark(k, timed)
+            what = order if isinstance(instr, _MPI_INSTRS) else None
+            if sends is not None and isinstance(instr, (Recv, Send, SendRecv)):
+                what = None if isinstance(instr, Recv) else last_send
+            if what is not None:
+                untimed, timed = mark(k, untimed, what), mark(k, timed, what)
             pairs.append((untimed, timed))
         return StepLists(pairs)
 
@@ -443,7 +560,38 @@ def _received(chain: chains.Chain, recvs: list) -> list[jax.Array]:
 
 
 def _nothing() -> None:
-    """A posted send's wait in a trace: posting returns once MPI has the message."""
+    """A posted send's wait in a trace: posting returns once MPI has the message (a
+    staged one once it is queued; its thread's events show the rest)."""
+
+
+class _AllReady:
+    """Ready when each of `marks` (None, or anything with `is_ready`) is: the
+    watchdog's end of a step with staged sends."""
+
+    def __init__(self, marks: tuple):
+        self.marks = marks
+
+    def is_ready(self) -> bool:
+        return all(m is None or m.is_ready() for m in self.marks)
+
+
+def _recorder(events: list | None, group: int, track: str) -> Callable | None:
+    """The trace hook of a staged-message thread: its work as `TraceEvent`s on its own
+    track (see `Note: trace events`), or None when no events are recorded."""
+    if events is None:
+        return None
+
+    def record(name: str, start: int, end: int, args: dict) -> None:
+        events.append(TraceEvent(name, "message", group, *wall_ns(start, end), dict(args),
+                                 track=track))
+
+    return record
+
+
+def _stop_threads(sends: StagedSends, recvs: StagedRecvs) -> None:
+    """An executor's end: its staged threads finish their work and stop."""
+    sends.stop()
+    recvs.stop()
 
 
 def describe_instr(gp: GroupProgram, k: int) -> str:

@@ -18,6 +18,14 @@ Note: trace format.
   `name`, and its peer(s), tag(s), buffer(s) and bytes as args (an all-reduce across
   replicas: its buffers, op, bytes and replicas). `ts` and `dur` are microseconds from
   the earliest event; `otherData.start_unix_ns` is that event's wall-clock time.
+  An event of another thread than the group's dispatching one (its `track`: the
+  threads of staged messages) sits on a track of its own, `tid` = group + 65536 x
+  (1 + the track's index among the trace's track names, sorted), named "group G
+  <track> thread" and sorted after the groups; its args still say the `group`.
+  `otherData.message_overlap` lists, per process and group, the recorded message
+  time and the share of it hidden behind tasks (`timing.message_overlap`; record one
+  step to read it per step): `{"pid", "group", "message_ms", "hidden_ms",
+  "hidden_share"}`.
 
 Note: trace clocks.
   Events carry `time.time_ns()` readings. Ranks on one host read the same clock, so
@@ -36,7 +44,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from jaxpp_mpi._src.schedules.tasks import parse_label
-from jaxpp_mpi._src.timeline.timing import TraceEvent, record_trace_events
+from jaxpp_mpi._src.timeline.timing import TraceEvent, message_overlap, record_trace_events
 
 __all__ = ["chrome_trace", "export", "load", "record"]
 
@@ -77,6 +85,9 @@ def _jsonable(value: Any) -> Any:
     if hasattr(value, "__index__"):
         return int(value)
     return str(value)
+
+
+_TRACK_STRIDE = 1 << 16  # tids of a thread's track: group + stride x (1 + track index)
 
 
 def _events_of(per_process: Sequence[Sequence[TraceEvent]]) -> Iterator[tuple[int, TraceEvent]]:
@@ -120,6 +131,10 @@ def chrome_trace(
                          f"{'local ' if local else ''}processes")
     per_replica = max(1, len(per_process) // replicas)
     timed = [(pid, e, e.start_ns + offsets[pid]) for pid, e in _events_of(per_process)]
+    tracks = sorted({e.track for _, e in _events_of(per_process) if e.track})
+
+    def tid_of(e: TraceEvent) -> int:
+        return e.group + (_TRACK_STRIDE * (1 + tracks.index(e.track)) if e.track else 0)
     origin = min((start for _, _, start in timed), default=0)
     meta: list[dict[str, Any]] = []
     for pid, events in enumerate(per_process):
@@ -135,6 +150,12 @@ def chrome_trace(
                          "args": {"name": f"group {group}"}})
             meta.append({"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": group,
                          "args": {"sort_index": group}})
+        for group, track in sorted({(e.group, e.track) for e in events if e.track}):
+            tid = tid_of(TraceEvent("", "", group, 0, 0, track=track))
+            meta.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid,
+                         "args": {"name": f"group {group} {track} thread"}})
+            meta.append({"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": tid,
+                         "args": {"sort_index": tid}})
     slices = []
     for pid, e, start in sorted(timed, key=lambda t: (t[2], t[0], t[1].group)):
         args = {"group": e.group, **{k: _jsonable(v) for k, v in e.args.items()}}
@@ -142,12 +163,15 @@ def chrome_trace(
             args["replica"] = pid // per_replica
         if e.cat == "task":
             args.update(_task_args(e.name))
-        slices.append({"name": e.name, "cat": e.cat, "ph": "X", "pid": pid, "tid": e.group,
+        slices.append({"name": e.name, "cat": e.cat, "ph": "X", "pid": pid, "tid": tid_of(e),
                        "ts": (start - origin) / 1e3, "dur": (e.end_ns - e.start_ns) / 1e3,
                        "args": args})
     data = {"start_unix_ns": origin, "clock_offsets_ns": offsets,
             "processes": len(per_process), "mode": "local" if local else "mpi",
-            "replicas": replicas}
+            "replicas": replicas,
+            "message_overlap": [{"pid": pid, "group": group, **summary}
+                                for pid, events in enumerate(per_process)
+                                for group, summary in message_overlap(events).items()]}
     data.update(other_data or {})
     return {"traceEvents": meta + slices, "displayTimeUnit": "ms", "otherData": data}
 
@@ -168,13 +192,15 @@ def _write_json(path: str | os.PathLike, trace: Mapping[str, Any]) -> None:
 
 def _encode(events: Sequence[TraceEvent]) -> bytes:
     rows = [[e.name, e.cat, e.group, e.start_ns, e.end_ns,
-             {k: _jsonable(v) for k, v in e.args.items()}] for e in events]
+             {k: _jsonable(v) for k, v in e.args.items()}] + ([e.track] if e.track else [])
+            for e in events]
     return json.dumps(rows).encode()
 
 
 def _decode(data: bytes) -> list[TraceEvent]:
-    return [TraceEvent(str(n), str(c), int(g), int(s), int(t), dict(a))
-            for n, c, g, s, t, a in json.loads(data)]
+    return [TraceEvent(str(n), str(c), int(g), int(s), int(t), dict(a),
+                       str(track[0]) if track else "")
+            for n, c, g, s, t, a, *track in json.loads(data)]
 
 
 def export(

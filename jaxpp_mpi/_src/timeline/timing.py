@@ -16,14 +16,22 @@ Note: trace events.
   end (`time.time_ns()`, comparable between processes of one host and, up to clock
   sync, between hosts) and what it was. A message event spans the whole blocking call,
   waiting for the peer included: that is where a pipeline's bubbles show.
-  `jaxpp_mpi.trace` turns these into Chrome-trace JSON.
+  Staged messages (`Note: staged messages` in mpi/staged.py) also leave the work of
+  their threads, each on its thread's own `track` ('sender', 'receiver'): per message
+  'copy to host' (from the Send until the host copy is taken), 'MPI send' (posted until
+  seen complete), 'MPI recv' (posted until complete, the wait for the sender included)
+  and 'copy to device' (until the array is on its devices); the dispatching thread's
+  own 'send' only queues the message, its 'recv' waits for the receiver. A recorded
+  step returns once its sends have completed, so its events are all in the list.
+  `message_overlap` sums a step's message work and the share of it hidden behind
+  tasks. `jaxpp_mpi.trace` turns these into Chrome-trace JSON.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 __all__ = [
@@ -31,6 +39,7 @@ __all__ = [
     "TraceEvent",
     "active_task_times",
     "collect_task_times_ms",
+    "message_overlap",
     "record_trace_events",
 ]
 
@@ -54,6 +63,9 @@ class TraceEvent:
       start_ns, end_ns: wall clock (`time.time_ns()`) around the blocking call.
       args: what it was: for messages the peer(s), tag(s), buffer id(s) and bytes; for
         an all-reduce its buffers, op, bytes and replicas.
+      track: '' for the group's dispatching thread; the thread that did the work
+        otherwise ('sender', 'receiver': staged messages, with names such as 'copy to
+        host' and 'MPI send').
     """
 
     name: str
@@ -62,6 +74,60 @@ class TraceEvent:
     start_ns: int
     end_ns: int
     args: dict[str, Any] = dataclasses.field(default_factory=dict)
+    track: str = ""
+
+
+def _union(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Sorted, disjoint spans covering the same time as `spans`."""
+    merged: list[tuple[int, int]] = []
+    for start, end in sorted(spans):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        elif end > start:
+            merged.append((start, end))
+    return merged
+
+
+def _overlap_ns(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> int:
+    """The time two sorted, disjoint span lists share."""
+    total, i, j = 0, 0, 0
+    while i < len(a) and j < len(b):
+        total += max(0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def message_overlap(events: Iterable[TraceEvent]) -> dict[int, dict[str, float]]:
+    """Per group, its message time and the share of it hidden behind computation.
+
+    Message time is the time during which some 'message' event of the group runs, on
+    any of its tracks (overlapping messages count once); the hidden part is the part
+    during which one of the group's 'task' events runs too. Pass the events of one
+    step (`record_trace_events` around one step) to get that step's summary.
+
+    Args:
+      events: trace events (see `Note: trace events`).
+
+    Returns:
+      {group: {"message_ms": ..., "hidden_ms": ..., "hidden_share": hidden / message
+      (0 without messages)}} for each group with events.
+    """
+    spans: dict[int, dict[str, list[tuple[int, int]]]] = {}
+    for e in events:
+        kinds = spans.setdefault(e.group, {"task": [], "message": []})
+        if e.cat in kinds:
+            kinds[e.cat].append((e.start_ns, e.end_ns))
+    out = {}
+    for group, kinds in sorted(spans.items()):
+        message = _union(kinds["message"])
+        total = sum(end - start for start, end in message)
+        hidden = _overlap_ns(message, _union(kinds["task"]))
+        out[group] = {"message_ms": total / 1e6, "hidden_ms": hidden / 1e6,
+                      "hidden_share": hidden / total if total else 0.0}
+    return out
 
 
 _active: list[TaskTimes] = []  # innermost enabled block last
