@@ -53,7 +53,8 @@ N4_SKIP = bad_input_mpi or call_surface_mpi or sharding_constraint_mpi or array_
           trace_mpi or task_times or mismatched_programs or values_move or mlp_parity or \
           sharded_replicas or donated_later or \
           (transformer_parity_every_schedule and (gpipe or eager1f1b or kimik2)) or \
-          (random_dropout_parity_mpi and (interleaved or zerobubble))
+          (random_dropout_parity_mpi and (interleaved or zerobubble)) or \
+          (staged_pipeline_parity and transformer)
 # Pipeline replicas need 4 ranks (2 replicas x 2 groups): they run in the -n 4 runs, the
 # last one with 2 devices per rank (values split inside each group, shard by shard
 # across replicas too).
