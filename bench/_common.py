@@ -1,4 +1,5 @@
-"""What the benchmarks share: run metadata, JSON output, the measured message model."""
+"""What the benchmarks share: run metadata, JSON output, the measured message model,
+inputs of given avals and one timed call."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import argparse
 import json
 import os
 import platform
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from jaxpp_mpi._src.ir.simulate import MessageCost  # no JAX import
@@ -25,6 +27,39 @@ def write_json(path: str, result: Mapping[str, Any]) -> None:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
         json.dump(result, f, indent=2)
+
+
+def random_arrays(avals: Sequence[Any], seed: int) -> list[Any]:
+    """Arrays of `avals` (anything with `shape` and `dtype`) on the default device:
+    integers 0 (microbatch indexes, token ids), floats small normal values (no overflow,
+    no denormals), numpy seed `seed`."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for a in avals:
+        dt = np.dtype(a.dtype)
+        if np.issubdtype(dt, np.floating):
+            out.append(jnp.asarray((0.05 * rng.standard_normal(a.shape)).astype(dt)))
+        else:
+            out.append(jnp.zeros(a.shape, dt))
+    return out
+
+
+def timed_call_ms(fn: Callable[..., Any], args: Sequence[Any],
+                  donated: Sequence[int]) -> float:
+    """One call of `fn(*args)` in ms, to its results being ready; the arguments at
+    positions `donated` (pytrees) get fresh copies first, outside the timed part."""
+    import jax
+
+    args = list(args)
+    for k in donated:
+        args[k] = jax.tree.map(lambda x: x.copy(), args[k])
+    jax.block_until_ready([args[k] for k in donated])
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    return (time.perf_counter() - start) * 1e3
 
 
 def fit_message_cost(rows: Sequence[Mapping[str, Any]], path: str = "jaxpp_mpi") -> MessageCost:

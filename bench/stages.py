@@ -37,7 +37,14 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _common.py, schedules.py
 
-from _common import add_block_options, block_options, metadata, write_json  # noqa: E402
+from _common import (  # noqa: E402
+    add_block_options,
+    block_options,
+    metadata,
+    random_arrays,
+    timed_call_ms,
+    write_json,
+)
 from schedules import block, loss_fn, make_data, pipelined_step, reference_step  # noqa: E402
 
 from jaxpp_mpi.schedules import schedule_by_name  # noqa: E402 - no JAX import
@@ -96,36 +103,6 @@ def stage_reference(stage: int, num_stages: int, num_microbatches: int):
     return fn
 
 
-def _arrays(avals, seed: int):
-    """Inputs of `avals` on the default device: integers 0 (microbatch indexes), floats
-    small normal values (no overflow, no denormals)."""
-    import jax.numpy as jnp
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
-    out = []
-    for a in avals:
-        dt = np.dtype(a.dtype)
-        if np.issubdtype(dt, np.floating):
-            out.append(jnp.asarray((0.05 * rng.standard_normal(a.shape)).astype(dt)))
-        else:
-            out.append(jnp.zeros(a.shape, dt))
-    return out
-
-
-def _timed(fn, args, donated) -> float:
-    """One call of `fn(*args)` in ms; donated arguments (pytrees) get fresh copies first."""
-    import jax
-
-    args = list(args)
-    for k in donated:
-        args[k] = jax.tree.map(lambda x: x.copy(), args[k])
-    jax.block_until_ready([args[k] for k in donated])
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    return (time.perf_counter() - start) * 1e3
-
-
 def main() -> None:
     args = parse_args()
     import jax
@@ -162,7 +139,7 @@ def main() -> None:
                 compile_s = time.perf_counter() - start
                 exes[name][g, ename] = {
                     "compiled": compiled,
-                    "args": _arrays(ins, seed=k),
+                    "args": random_arrays(ins, seed=k),
                     "donated": tuple(exe.donate_argnums),
                     # a family is its kinds and its stage: 'B1', or 'FB1' for a fused
                     # pair (`Note: back-to-back tasks` in compiler/loop_tasks.py)
@@ -187,8 +164,8 @@ def main() -> None:
                 continue
             ps = params[s * per:(s + 1) * per]
             acc = jax.tree.map(jnp.zeros_like, ps)
-            x = mb[0] if s == 0 else _arrays([mb[0]], seed=100 + s)[0]
-            t = mb[1] if s == num_stages - 1 else _arrays([mb[0]], seed=200 + s)[0]
+            x = mb[0] if s == 0 else random_arrays([mb[0]], seed=100 + s)[0]
+            t = mb[1] if s == num_stages - 1 else random_arrays([mb[0]], seed=200 + s)[0]
             fn = stage_reference(s, num_stages, n)
             start = time.perf_counter()
             compiled = jax.jit(fn, donate_argnums=(0,)).lower(acc, ps, x, t).compile()
@@ -197,10 +174,10 @@ def main() -> None:
                                    "compile_s": time.perf_counter() - start}
 
     def run_ref(ref) -> float:  # the accumulator (argument 0) is donated
-        return _timed(ref["compiled"], ref["args"], (0,))
+        return timed_call_ms(ref["compiled"], ref["args"], (0,))
 
     for e in (e for per in exes.values() for e in per.values()):  # warm-up
-        _timed(e["compiled"], e["args"], e["donated"])
+        timed_call_ms(e["compiled"], e["args"], e["donated"])
     for ref in refs.values():
         run_ref(ref)
 
@@ -214,7 +191,7 @@ def main() -> None:
             ref["ms"].append(run_ref(ref))
             for e in exes[name].values():
                 if e["stage"] == s:
-                    e["ms"].append(_timed(e["compiled"], e["args"], e["donated"]))
+                    e["ms"].append(timed_call_ms(e["compiled"], e["args"], e["donated"]))
         start = time.perf_counter()
         jax.block_until_ready(whole(params, batch))
         whole_ms.append((time.perf_counter() - start) * 1e3)
