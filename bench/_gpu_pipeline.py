@@ -24,11 +24,14 @@ from _gpt import (
 )
 from _replay import Compiler
 
+from jaxpp_mpi._src.timeline.timing import message_overlap
 from jaxpp_mpi.schedules import schedule_by_name
 
 
 def traced_summary(events: list, wall_ms: float) -> dict[str, Any]:
-    """One rank's traced step: its message calls' and tasks' summed wall time (ms)."""
+    """One rank's traced step: its message calls' and tasks' summed wall time (ms), and
+    per group the message time and the share of it hidden behind tasks (`message_overlap`:
+    with staged messages the sender and receiver threads' copies and transfers)."""
     spans = {"message": [], "task": []}
     for e in events:
         if e.cat in spans:
@@ -36,7 +39,8 @@ def traced_summary(events: list, wall_ms: float) -> dict[str, Any]:
     nbytes = sum(sum(b for b in (e.args.get("bytes"), e.args.get("send_bytes"),
                                  e.args.get("recv_bytes")) if b)
                  for e in events if e.cat == "message")
-    return {"wall_ms": wall_ms, "message_ms": sum(spans["message"]),
+    overlap = {str(g): v for g, v in message_overlap(events).items()}
+    return {"wall_ms": wall_ms, "message_ms": sum(spans["message"]), "overlap": overlap,
             "messages": len(spans["message"]), "message_bytes": nbytes,
             "task_ms": sum(spans["task"]), "tasks": len(spans["task"])}
 

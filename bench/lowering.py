@@ -5,7 +5,7 @@ Run (no MPI, no XLA compile; JAX only traces):
     .venv/bin/python bench/lowering.py --out bench/results/lowering.json
 
 For every schedule, 2 and 4 groups, 4, 8 and 16 microbatches, the step of
-`bench/schedules.py` (issue 16's workload) is traced and lowered by the compiler
+`bench/schedules.py` (its residual-MLP workload) is traced and lowered by the compiler
 (`build_step` on abstract arguments), and makespans are computed with the same task
 times and message cost:
 - `lowered`: `simulate` of the compiled program (rendezvous play, blocking sends);

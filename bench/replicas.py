@@ -672,7 +672,7 @@ def main() -> None:
 
 
 def report(result: dict[str, Any]) -> None:
-    """Prints what bench/README.md's "Pipeline replicas" section tabulates."""
+    """Prints what bench/README.md's `bench/replicas.py` section tabulates."""
     print(f"{'pipeline':<18} {'step ms':>8} {'traced':>8}")
     for key, e in result["pipelines"].items():
         print(f"{key:<18} {e['step_ms']:>8.1f} {e['traced_step_ms']:>8.1f}", flush=True)

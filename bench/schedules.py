@@ -2,7 +2,7 @@
 
 Run with 2 ranks:  launch/jpprun -n 2 python bench/schedules.py --out bench/results/schedules.json
 
-The workload (issue 16): 8 residual blocks `x + W2 gelu(W1 layernorm(x))`, d=1024,
+The workload: 8 residual blocks `x + W2 gelu(W1 layernorm(x))`, d=1024,
 ffn=4096, float32, no biases, exact GELU, LayerNorm eps 1e-5 without scale or offset;
 8 microbatches of 16 rows; loss per microbatch MSE / 8; one step = forward, backward and
 gradient accumulation over the microbatches, no optimizer; weights made by numpy with a

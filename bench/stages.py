@@ -3,7 +3,7 @@
     launch/jpprun -n 1 python bench/stages.py --out bench/results/stages.json   # CPU, 1 core
     python bench/stages.py --out bench/results/stages_gpu.json                  # one GPU
 
-The workload is bench/schedules.py's (issue 16). Per schedule, the step is compiled into
+The workload is bench/schedules.py's. Per schedule, the step is compiled into
 its plan (`build_step`: no devices), and every executable of every group is compiled on
 this process's first device and timed alone, inputs of its avals (`--rows` etc. as in
 bench/schedules.py). Per stage, the reference is one `jax.jit` of that stage's share of

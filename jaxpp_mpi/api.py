@@ -2,7 +2,7 @@
 
 A script written for JaxPP imports `jaxpp.api` (or `from jaxpp.api import ...`); with
 `import jaxpp_mpi.api as jaxpp` it finds the same names here, plus `make_mpmd_mesh` for
-the one line a port changes besides the import (the mesh line). README's "Porting from JaxPP"
+the one line a port changes besides the import (the mesh line). docs/porting-from-jaxpp.md
 lists the names JaxPP's module has and this one does not, and why.
 """
 

@@ -9,7 +9,7 @@ or, without touching the script, on every rank:
 
 `deadline(label)` puts the script's own MPI calls between steps under the deadline of
 jaxpp_mpi's collectives: a rank that never joins one ends the job, every waiting rank
-naming the label (README.md, "Reliability"):
+naming the label (docs/reliability.md):
 
     with jaxpp_mpi.launch.deadline("loss broadcast"):
         loss = comm.bcast(loss, root=last)

@@ -22,12 +22,17 @@
 #   5. the example once more with MPI4JAX_USE_CUDA_MPI=1 (runs on a CUDA-aware MPI;
 #      make_mpmd_mesh refuses the wheel's, built without CUDA);
 #   6. only when named: tests/unit and tests/local on that machine's JAX, CPU backend;
-#   7. only when named: issue 16's CPU benchmarks on that machine's cores, one unshared
+#   7. only when named: the schedule and compile CPU benchmarks on that machine's cores, one unshared
 #      core per rank (this project's VM has 2 for 2-4 ranks): bench/schedules.py on 2
 #      ranks (GPU_CHECK_SCHEDULES_ARGS, default "--repeats 8") and bench/compile.py with
 #      4 ranks (GPU_CHECK_COMPILE_ARGS, default "--repeats 3"), JSON into OUT.
-# GPU_CHECK_STEPS picks among examples, stages, tests, cudampi, cputests, cpubench
-# (default: 1-5).
+#   8. gpubench: bench/gpu.py, one process (the realistic model's step under jax.jit, as
+#      one group, and every schedule's stage executables against jax.jit of the stage);
+#   9. gpupipeline: bench/gpu.py --pipeline on 2 ranks sharing the GPU, staged messages
+#      and chains (GPU_CHECK_STAGED, default "auto 0");
+#  10. stagedtests: tests/mpi/test_staged_messages.py on 2 ranks sharing the GPU.
+# GPU_CHECK_STEPS picks among examples, stages, tests, cudampi, cputests, cpubench,
+# gpubench, gpupipeline, stagedtests (default: 1-5).
 # Never part of CI: it is what a session with a lent GPU runs (one call, ~6 minutes).
 set -u
 wheels=$(cd "${1:-.whl}" && pwd)
@@ -120,6 +125,32 @@ if [[ $steps == *" cudampi "* ]]; then
   step "examples/train.py with MPI4JAX_USE_CUDA_MPI=1 (GPU buffers handed to MPI)"
   MPI4JAX_USE_CUDA_MPI=1 run 90 "${mpirun[@]}" "$v/bin/python" -m mpi4py examples/train.py \
     --steps 2 --quiet
+fi
+if [[ $steps == *" gpubench "* ]]; then
+  # bench/gpu.py: the GPT-2-small-class step under jax.jit, as one group, and each
+  # schedule's stage executables against jax.jit of the stage, on this one GPU.
+  step "bench/gpu.py on the GPU (one process)"
+  # shellcheck disable=SC2086  # GPU_CHECK_GPU_ARGS: more options
+  run "${GPU_CHECK_GPU_S:-200}" "$v/bin/python" bench/gpu.py --budget-s 150 \
+    --out "$out/gpu.json" ${GPU_CHECK_GPU_ARGS:-}
+fi
+if [[ $steps == *" gpupipeline "* ]]; then
+  # The pipelined step on 2 ranks sharing the GPU against jax.jit on the same GPU, once
+  # per message path (JAXPP_MPI_STAGED_MESSAGES: auto stages them through host memory
+  # off the dispatching thread, 0 keeps mpi4jax's chains).
+  for staged in ${GPU_CHECK_STAGED:-auto 0}; do
+    step "bench/gpu.py --pipeline on 2 ranks sharing the GPU, JAXPP_MPI_STAGED_MESSAGES=$staged"
+    # shellcheck disable=SC2086
+    JAXPP_MPI_STAGED_MESSAGES=$staged run "${GPU_CHECK_PIPELINE_S:-150}" "${mpirun[@]}" \
+      -x JAXPP_MPI_STAGED_MESSAGES "$v/bin/python" -m mpi4py bench/gpu.py --pipeline \
+      --schedules "${GPU_CHECK_PIPELINE_SCHEDULES:-1f1b,zerobubble,interleaved}" \
+      --budget-s 110 --out "$out/gpu_pipeline_staged_$staged.json" ${GPU_CHECK_PIPELINE_ARGS:-}
+  done
+fi
+if [[ $steps == *" stagedtests "* ]]; then
+  step "tests/mpi/test_staged_messages.py on 2 ranks sharing the GPU"
+  run 150 "${mpirun[@]}" "$v/bin/python" -m pytest tests/mpi/test_staged_messages.py \
+    --with-mpi -p no:cacheprovider -q -x --timeout=120
 fi
 if [[ $steps == *" cputests "* ]]; then
   # This machine's JAX on its CPUs: tests/unit and tests/local, one worker per core.

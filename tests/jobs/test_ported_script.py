@@ -1,5 +1,5 @@
 """A JaxPP training script, ported by changing its import and its mesh line, runs and
-matches `jax.jit` (issue 15): in one process (2 groups) and under `launch/jpprun -n 4`
+matches `jax.jit`: in one process (2 groups) and under `launch/jpprun -n 4`
 (first, middle and last stages on their own ranks: everything a 2-rank job would show).
 
 The script (tests/jobs/harness/ported_jaxpp_script.py: flax-style model with dropout in

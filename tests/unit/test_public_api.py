@@ -29,7 +29,7 @@ def test_package_import_does_not_load_jax():
 
 
 # JaxPP's `jaxpp.api` names (its src/jaxpp/api.py) that jaxpp_mpi does not have, and why
-# (README, "Porting from JaxPP"): multi-controller internals and JaxPP's primitives.
+# (docs/porting-from-jaxpp.md): multi-controller internals and JaxPP's primitives.
 # `mpmd_jit_by_yield` and `cross_mpmd_all_reduce` live in their own modules.
 JAXPP_API = {"Add", "BaseSchedule", "Concat", "DualPipeV", "Eager1F1B", "Interleaved1F1B",
              "KimiK2", "Max", "MpmdArray", "MpmdMesh", "MpmdSharding", "Std1F1B",

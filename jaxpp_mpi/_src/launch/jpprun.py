@@ -33,7 +33,7 @@ Note: Signals to the launcher.
   A SIGTERM to jpprun (a scheduler preempting it, `kill`) must become the ranks'
   graceful stop (`Note: preemption`: save, exit 0), not a kill. Open MPI's mpirun
   (prterun) answers SIGTERM by killing every rank (SIGTERM, then SIGKILL a few seconds
-  later: the issue saw checkpoints saved in 3 runs of 4), but forwards SIGUSR1 and
+  later: seen to leave checkpoints saved in 3 runs of 4), but forwards SIGUSR1 and
   SIGUSR2 to every rank untouched. So jpprun forwards the first SIGTERM to mpirun as
   SIGUSR1, which `PreemptionGuard` catches like SIGTERM; a second SIGTERM goes on as
   SIGTERM (mpirun then kills the job). SIGUSR1/SIGUSR2 to jpprun are passed on as they

@@ -6,8 +6,8 @@ Note: posted sends.
   a large one until the receiver has posted the matching receive. Inside a message
   chain that holds the sender's next task back until its peer next enters MPI, which on
   a busy peer is the end of the peer's current task: every message couples the two
-  ranks' timelines and passes each rank's jitter on to its neighbours (issue 16: the
-  measured step sat 3-5% above the prediction of the program's own order).
+  ranks' timelines and passes each rank's jitter on to its neighbours (measured: the
+  step sat 3-5% above the prediction of the program's own order).
 
   On a CPU group a Send (and the send half of a SendRecv) is posted instead with
   MPI_Isend from the array's own host memory, and the rank goes on at once. Open MPI's
@@ -39,7 +39,7 @@ Note: posted sends.
   and a wait that stalls the dispatch of the next tasks. JAXPP_MPI_POSTED_SENDS=0 keeps
   them on CPU too (`bench/schedules.py --chained` runs both in the same rounds; on its
   2-rank workload, a core per rank, the step times differ by less than that machine's
-  noise; bench/README.md).
+  noise, measured when this path was chosen).
 """
 
 from __future__ import annotations

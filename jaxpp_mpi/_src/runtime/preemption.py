@@ -15,8 +15,7 @@ Note: preemption.
   Keep the guard open over the whole run, the final save included (a SIGTERM during
   that save then only sets the flag). A SIGTERM to the launcher reaches the ranks as
   SIGUSR1 through `launch/jpprun` (Open MPI's mpirun would kill the ranks on SIGTERM
-  but forwards SIGUSR1) and as SIGTERM through the SLURM template (README.md,
-  "Reliability").
+  but forwards SIGUSR1) and as SIGTERM through the SLURM template (docs/reliability.md).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Not a test: a JaxPP training script ported to jaxpp_mpi (issue 15's acceptance check).
+"""Not a test: a JaxPP training script ported to jaxpp_mpi (the porting check's script).
 
     XLA_FLAGS=--xla_force_host_platform_device_count=2 \
         python tests/jobs/harness/ported_jaxpp_script.py --pp 2    # one process
@@ -10,7 +10,7 @@ typed PRNG key, a `treduce` over microbatches, `in_specs`, the batch passed by k
 an optax optimizer and `f"{loss:.3f}"` logging. The two lines marked `PORT:`, the import
 and the mesh line, are the only jaxpp_mpi-specific ones. (One call is jaxpp_mpi's only:
 like `jax.jit`, JaxPP refuses keyword arguments when `in_specs` is given; jaxpp_mpi
-accepts them, see README's "Porting from JaxPP".)
+accepts them, see docs/porting-from-jaxpp.md.)
 
 Flax itself is not installed for the tests (it brings orbax, tensorstore, protobuf and a
 dozen more packages); the model and `TrainState` below are their minimal look-alikes:

@@ -516,7 +516,7 @@ def test_lowered_makespan_within_claim(name, groups, num_microbatches, times, cl
 
 
 def test_zero_bubble_sends_the_activation_before_the_weight_task():
-    # Issue 16: the round order ran `F2s0; recv grad1; W1s0; send act2`, so group 1's
+    # The round order used to run `F2s0; recv grad1; W1s0; send act2`, so group 1's
     # F2s1 waited for a whole W. Now act2 leaves right after F2s0.
     program, names = build_program_with_names(schedule_graph(ZeroBubble(2), 8))
     instrs = program.group(0).instrs

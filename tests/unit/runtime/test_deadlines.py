@@ -141,7 +141,7 @@ def _watchdog(**options) -> failure.Watchdog:
 
 
 def test_back_to_back_steps_teach_the_automatic_deadline():
-    """The issue's case: each step starts as soon as the last one's results are ready,
+    """Each step starts as soon as the last one's results are ready,
     so a poll rarely lands between steps; the deadline must still learn."""
     wd = _watchdog()
     for _ in range(3):
