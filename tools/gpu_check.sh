@@ -19,8 +19,11 @@
 #      `jax.jit` (messages staged through host memory: MPI4JAX_USE_CUDA_MPI=0);
 #   3. bench/stages.py: each stage's executables against `jax.jit` of the stage alone;
 #   4. tests/mpi/test_pipeline_mpi.py on 2 ranks;
-#   5. the example once more with MPI4JAX_USE_CUDA_MPI=1 (runs on a CUDA-aware MPI;
-#      make_mpmd_mesh refuses the wheel's, built without CUDA);
+#   5. cudampi: the example with MPI4JAX_USE_CUDA_MPI=1 on the wheel's MPI (refused on
+#      every rank: built without CUDA) and the CUDA probe against it; then, where WHEELS
+#      holds tools/build_cuda_mpi.sh's tarball, that CUDA-aware Open MPI: its CUDA
+#      support, the probe, the example with GPU buffers handed to MPI, bench/p2p.py
+#      --device gpu (and with `cudapipeline` also named, bench/gpu.py --pipeline on it);
 #   6. only when named: tests/unit and tests/local on that machine's JAX, CPU backend;
 #   7. only when named: the schedule and compile CPU benchmarks on that machine's cores, one unshared
 #      core per rank (this project's VM has 2 for 2-4 ranks): bench/schedules.py on 2
@@ -122,9 +125,58 @@ if [[ $steps == *" tests "* ]]; then
     tests/mpi/test_pipeline_mpi.py --with-mpi -p no:cacheprovider -q -x --timeout=150
 fi
 if [[ $steps == *" cudampi "* ]]; then
-  step "examples/train.py with MPI4JAX_USE_CUDA_MPI=1 (GPU buffers handed to MPI)"
+  # The wheel's MPI (built without CUDA): make_mpmd_mesh must refuse on every rank, and
+  # the probe of a GPU buffer sent to itself must crash in its child process only.
+  step "examples/train.py with MPI4JAX_USE_CUDA_MPI=1 on the wheel's MPI (refused)"
   MPI4JAX_USE_CUDA_MPI=1 run 90 "${mpirun[@]}" "$v/bin/python" -m mpi4py examples/train.py \
     --steps 2 --quiet
+  run 120 "$v/bin/python" -c 'from jaxpp_mpi._src.mpi.cuda_probe import run_probe
+print("probe, wheel MPI:", run_probe())'
+  # tools/build_cuda_mpi.sh's Open MPI, built with its CUDA components, carried as a tarball.
+  tarball=$(ls "$wheels"/openmpi-cuda-*-x86_64.tar.xz 2>/dev/null | tail -1)
+  if [ -n "$tarball" ]; then
+    step "CUDA-aware Open MPI ($(basename "$tarball")): probe, example, p2p"
+    cm=/tmp/openmpi-cuda cv=/tmp/gpu_check_cudampi_venv
+    rm -rf "$cm" && mkdir -p "$cm" && tar -xJf "$tarball" -C "$cm" --strip-components=1
+    [ -x "$cv/bin/python" ] || "$py" -m venv --without-pip "$cv"
+    cvsite=$("$cv/bin/python" -c 'import site; print(site.getsitepackages()[0])')
+    echo "$site" > "$cvsite/base_packages.pth"
+    (
+      export OPAL_PREFIX=$cm PATH=$cm/bin:$PATH LD_LIBRARY_PATH=$cm/lib:$LD_LIBRARY_PATH
+      # mpi4py's wheel and the prebuilt mpi4jax load whichever libmpi.so.40 comes first.
+      "$cv/bin/python" -m pip install -q -I --no-index --no-deps --disable-pip-version-check \
+        "$wheels"/mpi4py-*.whl "$wheels"/pytest_mpi-*.whl ${prebuilt:-}
+      "$cv/bin/python" -c 'import mpi4jax' 2>/dev/null || MPICC="$cm/bin/mpicc" \
+        MPI4JAX_BUILD_MPICC="$cm/bin/mpicc" CUDA_PATH="$cuda_root" CUDA_ROOT="$cuda_root" \
+        run 300 "$cv/bin/python" -m pip install -q -I --no-index --no-deps --no-build-isolation \
+        --no-cache-dir --disable-pip-version-check "$wheels"/mpi4jax-*.tar.gz
+      "$cm/bin/ompi_info" --parsable --all | grep -E "mpi_built_with_cuda_support:value"
+      run 60 "$cv/bin/python" -c 'import mpi4jax; from mpi4py import MPI
+from jaxpp_mpi._src.mpi.cuda_mpi import query_cuda_support
+print(MPI.Get_library_version().splitlines()[0], "| mpi4jax CUDA:", mpi4jax.has_cuda_support(),
+      "| MPIX_Query_cuda_support():", query_cuda_support())'
+      run 120 "$cv/bin/python" -c 'from jaxpp_mpi._src.mpi.cuda_probe import run_probe
+print("probe, CUDA-aware MPI:", run_probe())'
+      cmpirun=("$cm/bin/mpirun" -n 2 --allow-run-as-root --oversubscribe -x PYTHONPATH
+               -x PYTHONUNBUFFERED -x XLA_PYTHON_CLIENT_PREALLOCATE
+               -x XLA_PYTHON_CLIENT_MEM_FRACTION -x MPI4JAX_USE_CUDA_MPI -x OPAL_PREFIX
+               -x LD_LIBRARY_PATH)
+      step "examples/train.py on 2 ranks, one GPU, GPU buffers handed to the CUDA-aware MPI"
+      MPI4JAX_USE_CUDA_MPI=1 run 150 "${cmpirun[@]}" "$cv/bin/python" -m mpi4py \
+        examples/train.py --steps 2 --quiet
+      step "bench/p2p.py --device gpu on 2 ranks sharing the GPU"
+      run "${GPU_CHECK_P2P_S:-150}" "${cmpirun[@]}" "$cv/bin/python" -m mpi4py bench/p2p.py \
+        --device gpu --reps "${GPU_CHECK_P2P_REPS:-10}" --out "$out/p2p_gpu.json"
+      if [[ $steps == *" cudapipeline "* ]]; then
+        step "bench/gpu.py --pipeline, GPU buffers handed to the CUDA-aware MPI"
+        # shellcheck disable=SC2086
+        MPI4JAX_USE_CUDA_MPI=1 run "${GPU_CHECK_PIPELINE_S:-150}" "${cmpirun[@]}" \
+          "$cv/bin/python" -m mpi4py bench/gpu.py --pipeline \
+          --schedules "${GPU_CHECK_PIPELINE_SCHEDULES:-1f1b,zerobubble,interleaved}" \
+          --budget-s 110 --out "$out/gpu_pipeline_cuda_mpi.json" ${GPU_CHECK_PIPELINE_ARGS:-}
+      fi
+    )
+  fi
 fi
 if [[ $steps == *" gpubench "* ]]; then
   # bench/gpu.py: the GPT-2-small-class step under jax.jit, as one group, and each

@@ -57,7 +57,7 @@ def make_mpmd_mesh(
       ValueError: malformed shape or names; the MPMD axis size (times the replica
         axis size) differs from the number of ranks; a rank's device count differs
         from one group's size; a rank has GPUs and `MPI4JAX_USE_CUDA_MPI=1` but its MPI
-        says it has no CUDA support (`mpi/cuda_mpi.py`). All are raised on every rank
+        cannot move GPU buffers (`Note: CUDA-aware MPI check`). All are raised on every rank
         alike: the first two depend only on arguments and the job size, and the device
         counts and CUDA answers are allgathered over `comm` (in MPI mode this function
         is collective, like the `Dup` of the default communicator).

@@ -439,32 +439,8 @@ def test_local_mode_does_not_import_mpi(tmp_path):
     assert proc.returncode == 0, proc.stderr
 
 
-# --- MPI4JAX_USE_CUDA_MPI against an MPI without CUDA support (mpi/cuda_mpi.py) ----------
-
-@pytest.mark.parametrize("platforms,value,support,refused", [
-    (["gpu"], "1", 0, True),
-    (["gpu", "gpu"], "true", 0, True),
-    (["gpu"], "1", 1, False),      # a CUDA-aware MPI
-    (["gpu"], "1", None, False),   # an MPI that cannot say: trusted
-    (["gpu"], "0", 0, False),      # messages go through host memory
-    (["gpu"], "", 0, False),
-    (["cpu"], "1", 0, False),      # no GPU buffers to hand over
-])
-def test_cuda_mpi_problem(platforms, value, support, refused):
-    from jaxpp_mpi._src.mpi.cuda_mpi import cuda_mpi_problem
-
-    asked = []
-
-    def query():
-        asked.append(True)
-        return support
-
-    msg = cuda_mpi_problem(platforms, {"MPI4JAX_USE_CUDA_MPI": value}, query)
-    assert (msg is not None) == refused
-    if refused:
-        assert f"MPI4JAX_USE_CUDA_MPI={value}" in msg and "Set MPI4JAX_USE_CUDA_MPI=0" in msg
-    assert bool(asked) == (platforms[0] == "gpu" and value in ("1", "true"))
-
+# --- MPI4JAX_USE_CUDA_MPI against an MPI that cannot move GPU buffers --------------------
+# (the decision itself: tests/unit/test_cuda_mpi.py)
 
 def test_make_mpmd_mesh_refuses_gpu_buffers_for_an_mpi_without_cuda(monkeypatch):
     import jaxpp_mpi._src.make_mesh as make_mesh_mod
