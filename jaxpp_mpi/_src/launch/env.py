@@ -47,9 +47,10 @@ AUTO_SETTINGS_ENV = "JAXPP_MPI_AUTO_SETTINGS"
 #   (8 weight-gradient dots, each followed by its accumulation) that made the task 3x
 #   slower, from page faults on 128 MiB of fresh temporaries per call (measured on
 #   bench/schedules.py's workload: ZeroBubble 0.57 -> 0.95 of its ideal). The flag is
-#   global (XLA reads it from XLA_FLAGS, not from a compile's `compiler_options`). A flag the user set either way
-#   is kept as given. jpprun exports them (`thread_env`); a rank started by another
-#   launcher gets them from `import jaxpp_mpi` (Note: Settings at import in auto.py).
+#   global (XLA reads it from XLA_FLAGS, not from a compile's `compiler_options`). A
+#   flag the user set either way is kept as given. jpprun exports them (`thread_env`);
+#   a rank started by another launcher gets them from `import jaxpp_mpi` (Note:
+#   Settings at import in auto.py).
 _SINGLE_THREAD_XLA = ("--xla_cpu_multi_thread_eigen=false",
                       "--xla_cpu_enable_concurrency_optimized_scheduler=false")
 _NVIDIA_GPUS_DIR = "/proc/driver/nvidia/gpus"
