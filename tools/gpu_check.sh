@@ -23,7 +23,8 @@
 #      every rank: built without CUDA) and the CUDA probe against it; then, where WHEELS
 #      holds tools/build_cuda_mpi.sh's tarball, that CUDA-aware Open MPI: its CUDA
 #      support, the probe, the example with GPU buffers handed to MPI, bench/p2p.py
-#      --device gpu (and with `cudapipeline` also named, bench/gpu.py --pipeline on it);
+#      --device gpu; `cudapipeline`: bench/gpu.py --pipeline on that MPI (GPU buffers
+#      handed to it);
 #   6. only when named: tests/unit and tests/local on that machine's JAX, CPU backend;
 #   7. only when named: the schedule and compile CPU benchmarks on that machine's cores, one unshared
 #      core per rank (this project's VM has 2 for 2-4 ranks): bench/schedules.py on 2
@@ -32,10 +33,11 @@
 #   8. gpubench: bench/gpu.py, one process (the realistic model's step under jax.jit, as
 #      one group, and every schedule's stage executables against jax.jit of the stage);
 #   9. gpupipeline: bench/gpu.py --pipeline on 2 ranks sharing the GPU, staged messages
-#      and chains (GPU_CHECK_STAGED, default "auto 0");
+#      and chains (GPU_CHECK_STAGED, default "auto 0"; GPU_CHECK_CHAINED_SCHEDULES: the
+#      chains' schedules, default the same);
 #  10. stagedtests: tests/mpi/test_staged_messages.py on 2 ranks sharing the GPU.
 # GPU_CHECK_STEPS picks among examples, stages, tests, cudampi, cputests, cpubench,
-# gpubench, gpupipeline, stagedtests (default: 1-5).
+# gpubench, gpupipeline, cudapipeline, stagedtests (default: 1-5).
 # Never part of CI: it is what a session with a lent GPU runs (one call, ~6 minutes).
 set -u
 wheels=$(cd "${1:-.whl}" && pwd)
@@ -132,6 +134,8 @@ if [[ $steps == *" cudampi "* ]]; then
     --steps 2 --quiet
   run 120 "$v/bin/python" -c 'from jaxpp_mpi._src.mpi.cuda_probe import run_probe
 print("probe, wheel MPI:", run_probe())'
+fi
+if [[ $steps == *" cudampi "* || $steps == *" cudapipeline "* ]]; then
   # tools/build_cuda_mpi.sh's Open MPI, built with its CUDA components, carried as a tarball.
   tarball=$(ls "$wheels"/openmpi-cuda-*-x86_64.tar.xz 2>/dev/null | tail -1)
   if [ -n "$tarball" ]; then
@@ -161,12 +165,14 @@ print("probe, CUDA-aware MPI:", run_probe())'
                -x PYTHONUNBUFFERED -x XLA_PYTHON_CLIENT_PREALLOCATE
                -x XLA_PYTHON_CLIENT_MEM_FRACTION -x MPI4JAX_USE_CUDA_MPI -x OPAL_PREFIX
                -x LD_LIBRARY_PATH)
-      step "examples/train.py on 2 ranks, one GPU, GPU buffers handed to the CUDA-aware MPI"
-      MPI4JAX_USE_CUDA_MPI=1 run 150 "${cmpirun[@]}" "$cv/bin/python" -m mpi4py \
-        examples/train.py --steps 2 --quiet
-      step "bench/p2p.py --device gpu on 2 ranks sharing the GPU"
-      run "${GPU_CHECK_P2P_S:-150}" "${cmpirun[@]}" "$cv/bin/python" -m mpi4py bench/p2p.py \
-        --device gpu --reps "${GPU_CHECK_P2P_REPS:-10}" --out "$out/p2p_gpu.json"
+      if [[ $steps == *" cudampi "* ]]; then
+        step "examples/train.py on 2 ranks, one GPU, GPU buffers handed to the CUDA-aware MPI"
+        MPI4JAX_USE_CUDA_MPI=1 run 150 "${cmpirun[@]}" "$cv/bin/python" -m mpi4py \
+          examples/train.py --steps 2 --quiet
+        step "bench/p2p.py --device gpu on 2 ranks sharing the GPU"
+        run "${GPU_CHECK_P2P_S:-150}" "${cmpirun[@]}" "$cv/bin/python" -m mpi4py bench/p2p.py \
+          --device gpu --reps "${GPU_CHECK_P2P_REPS:-10}" --out "$out/p2p_gpu.json"
+      fi
       if [[ $steps == *" cudapipeline "* ]]; then
         step "bench/gpu.py --pipeline, GPU buffers handed to the CUDA-aware MPI"
         # shellcheck disable=SC2086
@@ -192,11 +198,13 @@ if [[ $steps == *" gpupipeline "* ]]; then
   # off the dispatching thread, 0 keeps mpi4jax's chains).
   for staged in ${GPU_CHECK_STAGED:-auto 0}; do
     step "bench/gpu.py --pipeline on 2 ranks sharing the GPU, JAXPP_MPI_STAGED_MESSAGES=$staged"
+    schedules=${GPU_CHECK_PIPELINE_SCHEDULES:-1f1b,zerobubble,interleaved}
+    [ "$staged" = 0 ] && schedules=${GPU_CHECK_CHAINED_SCHEDULES:-$schedules}
     # shellcheck disable=SC2086
     JAXPP_MPI_STAGED_MESSAGES=$staged run "${GPU_CHECK_PIPELINE_S:-150}" "${mpirun[@]}" \
       -x JAXPP_MPI_STAGED_MESSAGES "$v/bin/python" -m mpi4py bench/gpu.py --pipeline \
-      --schedules "${GPU_CHECK_PIPELINE_SCHEDULES:-1f1b,zerobubble,interleaved}" \
-      --budget-s 110 --out "$out/gpu_pipeline_staged_$staged.json" ${GPU_CHECK_PIPELINE_ARGS:-}
+      --schedules "$schedules" --budget-s 110 \
+      --out "$out/gpu_pipeline_staged_$staged.json" ${GPU_CHECK_PIPELINE_ARGS:-}
   done
 fi
 if [[ $steps == *" stagedtests "* ]]; then

@@ -26,7 +26,7 @@ from models import (
 )
 
 import jaxpp_mpi as jp
-from jaxpp_mpi._src.compiler import loop_tasks
+from jaxpp_mpi._src.compiler import loop_tasks, split
 from jaxpp_mpi._src.compiler.build import build_step
 from jaxpp_mpi._src.ir.program import Run
 from jaxpp_mpi.trace import parse_label
@@ -108,6 +108,14 @@ def test_fused_matches_apart_bit_for_bit_and_jit(name, monkeypatch):
 
     fused = jp.mpmd_jit_with_loop(step, mpmd_mesh=mesh).compile(*state())
     assert any("+" in t for t in _runs(fused.plan, 1))
+    reference = run_steps(jax.jit(step), *state(), steps=2)
+    got = run_steps(fused, *state(), steps=2)
+    assert assert_close_to_reference(reference, got) == len(jax.tree.leaves(reference))
+    # Bit for bit, the backward tasks read every residual as the forward task made it: a
+    # recomputed one (Note: recomputed residuals in compiler/split.py) may differ from
+    # the fused executable's in the last bit, as XLA fuses it differently.
+    monkeypatch.setattr(split, "_recompute", lambda eqns, where: [set() for _ in eqns])
+    fused = jp.mpmd_jit_with_loop(step, mpmd_mesh=mesh).compile(*state())
     got = run_steps(fused, *state(), steps=2)
     with monkeypatch.context() as m:
         _apart(m)
@@ -118,5 +126,3 @@ def test_fused_matches_apart_bit_for_bit_and_jit(name, monkeypatch):
         assert (a is None) == (b is None)
         if a is not None:
             np.testing.assert_array_equal(bits(b), bits(a))
-    reference = run_steps(jax.jit(step), *state(), steps=2)
-    assert assert_close_to_reference(reference, got) == len(jax.tree.leaves(reference))
