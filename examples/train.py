@@ -223,6 +223,23 @@ def synthetic_batch(cfg: ModelConfig, num_microbatches: int,
             "targets": jnp.asarray(tokens[..., 1:], jnp.int32)}
 
 
+def plan_inputs(mpmd_mesh: jaxpp_mpi.MpmdMesh, layers: int = 8, num_microbatches: int = 8,
+                microbatch_size: int = 4) -> dict[str, Any]:
+    """This model for the planner (`python -m jaxpp_mpi.schedules plan
+    examples/train.py:plan_inputs`): the default sizes with `layers` blocks, a stage mark
+    after every block (the planner keeps those that end its stages), adam; the step,
+    its abstract arguments, the batch argument and the donated ones."""
+    cfg = ModelConfig(vocab=256, hidden=64, heads=4, seq=32, layers=layers)
+    optimizer = optax.adam(3e-3)
+    # One stage per mark, so the step also runs as written (to measure its task times).
+    sched = jaxpp_mpi.Interleaved1F1B(layers, mpmd_mesh.mpmd_dim)
+    step = make_train_step(partial(loss_fn, cfg=cfg, num_stages=layers), sched, optimizer)
+    params = jax.eval_shape(partial(init_params, cfg=cfg), jax.random.key(0))
+    batch = jax.eval_shape(lambda: synthetic_batch(cfg, num_microbatches, microbatch_size))
+    return {"step": step, "args": (jax.eval_shape(optimizer.init, params), params, batch),
+            "batch_argnums": 2, "donate_argnums": (0, 1)}
+
+
 # -- the script ----------------------------------------------------------------------
 
 
@@ -461,7 +478,8 @@ def main(argv=None) -> int:
                 start = time.perf_counter()
                 opt_state_out, params_out, loss = compiled(*state, batch)
                 state = (opt_state_out, params_out)
-                value = float(np.asarray(loss)) if loss.is_partially_addressable else None
+                value = (float(np.asarray(loss.first_mpmd_replica))
+                         if loss.is_partially_addressable else None)
                 if not mesh.is_local:  # the loss lives on the last stage's rank
                     with jaxpp_mpi.launch.deadline("loss broadcast", mesh.comm):
                         value = mesh.comm.bcast(value, root=min(loss.mpmd_idxs))

@@ -22,6 +22,8 @@ _EXPORTS = {
     "mpmd_jit_with_loop": "api",
     "mpmd_jit_by_yield": "by_yield",
     "cross_mpmd_all_reduce": "cross_mpmd",
+    "cross_mpmd_stack": "cross_mpmd",
+    "place_with": "cross_mpmd",
     "MpmdArray": "array",
     "MpmdSharding": "array",
     "CompileError": "errors",
@@ -29,6 +31,9 @@ _EXPORTS = {
     "make_mpmd_mesh": "make_mesh",
     "collect_task_times_ms": "timeline.timing",
     "PreemptionGuard": "runtime.preemption",
+    "Plan": "planner.ranking",
+    "format_plans": "planner.ranking",
+    "plan_schedules": "planner.plan",
     "mpmd_init": "reshard.init",
     "mark_stage_end": "stage_marks",
     "pipeline_enter_stage": "stage_marks",
@@ -83,9 +88,14 @@ if TYPE_CHECKING:  # what static tools see; the same names as _EXPORTS
     from jaxpp_mpi._src.by_yield import mpmd_jit_by_yield as mpmd_jit_by_yield
     from jaxpp_mpi._src.compiled import MpmdCompiled as MpmdCompiled
     from jaxpp_mpi._src.cross_mpmd import cross_mpmd_all_reduce as cross_mpmd_all_reduce
+    from jaxpp_mpi._src.cross_mpmd import cross_mpmd_stack as cross_mpmd_stack
+    from jaxpp_mpi._src.cross_mpmd import place_with as place_with
     from jaxpp_mpi._src.errors import CompileError as CompileError
     from jaxpp_mpi._src.make_mesh import make_mpmd_mesh as make_mpmd_mesh
     from jaxpp_mpi._src.mesh import MpmdMesh as MpmdMesh
+    from jaxpp_mpi._src.planner.plan import plan_schedules as plan_schedules
+    from jaxpp_mpi._src.planner.ranking import Plan as Plan
+    from jaxpp_mpi._src.planner.ranking import format_plans as format_plans
     from jaxpp_mpi._src.reshard.init import mpmd_init as mpmd_init
     from jaxpp_mpi._src.reshard.reshard import mpmd_to_spmd_reshard as mpmd_to_spmd_reshard
     from jaxpp_mpi._src.reshard.reshard import spmd_to_mpmd_reshard as spmd_to_mpmd_reshard

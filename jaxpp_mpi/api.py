@@ -11,6 +11,8 @@ from jaxpp_mpi._src.array import MpmdArray as MpmdArray
 from jaxpp_mpi._src.array import MpmdSharding as MpmdSharding
 from jaxpp_mpi._src.by_yield import mpmd_jit_by_yield as mpmd_jit_by_yield
 from jaxpp_mpi._src.cross_mpmd import cross_mpmd_all_reduce as cross_mpmd_all_reduce
+from jaxpp_mpi._src.cross_mpmd import cross_mpmd_stack as cross_mpmd_stack
+from jaxpp_mpi._src.cross_mpmd import place_with as place_with
 from jaxpp_mpi._src.make_mesh import make_mpmd_mesh as make_mpmd_mesh
 from jaxpp_mpi._src.mesh import MpmdMesh as MpmdMesh
 from jaxpp_mpi._src.reshard.reshard import mpmd_to_spmd_reshard as mpmd_to_spmd_reshard
@@ -47,12 +49,14 @@ __all__ = [
     "ZeroBubble",
     "collect_task_times_ms",
     "cross_mpmd_all_reduce",
+    "cross_mpmd_stack",
     "make_mpmd_mesh",
     "mark_stage_end",
     "mpmd_jit_by_yield",
     "mpmd_jit_with_loop",
     "mpmd_to_spmd_reshard",
     "pipeline_enter_stage",
+    "place_with",
     "spmd_to_mpmd_reshard",
     "treduce",
     "treduce_i",

@@ -122,12 +122,28 @@ class MpmdFunction:
           TypeError: an argument leaf is not an array (a str, an object, ...), or a
             static value is not hashable.
           ValueError: a malformed `in_shardings` / `out_shardings` / `donate_argnums`,
-            a spec that does not fit its value on the group mesh, or (MPI mode) an
-            array laid out over the MPMD axis (this rank's block).
+            or a spec that does not fit its value on the group mesh.
           CompileError: the step cannot be pipelined (see `build_step`), or, in MPI
             mode, the ranks disagree (see `Note: rejecting input on every rank`).
         """
         return self._compile(args, kwargs)[0]
+
+    def step_plan(self, *args: Any, **kwargs: Any) -> StepPlan:
+        """The step for the call's signature traced, split and scheduled, not compiled.
+
+        No device is touched and no other rank is asked: this is the `StepPlan` (the
+        program every group would run, its executables' avals) that `compile` builds
+        before compiling, for tools that reason about a schedule without running it
+        (`jaxpp_mpi.plan_schedules`). Leaves may be `jax.ShapeDtypeStruct`s.
+
+        Raises:
+          TypeError, ValueError, CompileError: as `compile` does for a bad call or a step
+            that cannot be pipelined.
+        """
+        name = getattr(self.fun, "__name__", "the step")
+        call = split_call(self._argnums, args, kwargs, name)
+        key = self._placed(signature(call))
+        return self._plan(call, key, name)
 
     def _compile(self, args: tuple, kwargs: dict[str, Any]) -> tuple[MpmdCompiled, Call]:
         """The compiled step for a call (cached), and the call split (Note: the step's
@@ -137,7 +153,7 @@ class MpmdFunction:
         call, key, error = None, None, None
         try:
             call = split_call(self._argnums, args, kwargs, name)
-            key = self._placed(signature(call, self._mpi_axis()))
+            key = self._placed(signature(call))
         except (TypeError, ValueError) as e:
             error = e
         else:
@@ -165,11 +181,6 @@ class MpmdFunction:
                 label="compile barrier")
         self._cache[key] = compiled
         return compiled, call
-
-    def _mpi_axis(self) -> tuple[str, int] | None:
-        """(MPMD axis, `mpmd_dim`) in MPI mode (see `signature`), None in local mode."""
-        mesh = self.mpmd_mesh
-        return None if mesh.is_local else (mesh.mpmd_axis_name, mesh.mpmd_dim)
 
     def _in_specs(self, call: Call, tree: jax.tree_util.PyTreeDef) -> list[Any]:
         """Per flat argument, its `in_shardings` entry: `in_shardings` covers the dynamic

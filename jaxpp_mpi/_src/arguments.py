@@ -375,29 +375,19 @@ def check_layout(spec: Spec | None, shape: tuple[int, ...], group_shape: dict[st
             )
 
 
-def _mpmd_block(x: Any, mpmd_axis: str) -> PartitionSpec | None:
-    """The spec of `x` when it is laid out over the MPMD axis (a `jax.Array` whose
-    `NamedSharding` names it), else None."""
-    sharding = getattr(x, "sharding", None) if isinstance(x, jax.Array) else None
-    if not isinstance(sharding, NamedSharding) or mpmd_axis not in sharding.mesh.axis_names:
-        return None
-    spec = sharding.spec
-    return spec if without_axis(spec, mpmd_axis) != spec else None
-
-
-def signature(call: Call, mpi: tuple[str, int] | None = None) -> tuple:
+def signature(call: Call) -> tuple:
     """The cache key of `call`: (structure of `call.dynamic`, per leaf (shape, dtype
     name, weak type, spec), the static arguments).
 
+    A `jax.Array` leaf is the whole value whatever its layout, one laid out over the
+    MPMD axis included (`Note: MPMD axis in specs` in array.py): the group that reads
+    it gets its own replica, laid out as the step wants.
+
     Args:
       call: the split call.
-      mpi: in MPI mode, (the MPMD axis, `mpmd_dim`): an array laid out over the axis
-        is this rank's block of a larger array (Note: SPMD layouts in
-        reshard/planning.py), which a step does not take.
 
     Raises:
       TypeError: a leaf is not an array (see `abstract`), named by its path.
-      ValueError: (MPI mode) a leaf is a block laid out over the MPMD axis.
     """
     tree_args = call.dynamic
     leaves, tree = jax.tree.flatten(tree_args)
@@ -407,16 +397,6 @@ def signature(call: Call, mpi: tuple[str, int] | None = None) -> tuple:
             a = abstract(x)
         except TypeError as e:
             raise TypeError(f"argument {paths(tree_args)[j]} {e}") from None
-        block = None if mpi is None else _mpmd_block(x, mpi[0])
-        if block is not None:
-            raise ValueError(
-                f"argument {paths(tree_args)[j]} is laid out over the MPMD axis "
-                f"{mpi[0]!r} ({block}): under MPI such an array is this rank's block of an "
-                f"array {mpi[1]} times larger along that dimension (as under "
-                "multi-controller JAX), and a step takes whole arrays: pass the whole "
-                "array (laid out without the MPMD axis), or assemble the blocks with "
-                "spmd_to_mpmd_reshard(mesh, x, sharding) on every rank (sharding from "
-                "compiled.in_shardings) and pass the MpmdArray it returns")
         # An MpmdArray's layout is part of the signature; a replicated one and a
         # plain array (placed replicated) compile alike, so a loop that feeds its
         # outputs back hits the cache.

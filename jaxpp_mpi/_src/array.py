@@ -11,15 +11,22 @@ Note: Array placement.
   - MPI mode: `[the replica of this rank's group]` when the rank is in `mesh_ids`,
     else `[]`. A holding rank must hold its replica: ranks move data without agreeing
     first, so a holder without data would fail mid-step on that rank alone.
-  With no replica here the array's shape and dtype are given explicitly. What needs
-  the value (`np.asarray`, `float`, `int`, `bool`, iteration...) reads the replica of
-  the lowest group held here and raises `TypeError` naming the holding groups where
-  this process holds none; `format` then gives the repr, as a `jax.Array` that spans
-  other processes' devices does, so a log line does not end an MPI job.
+  With no replica here the array's shape and dtype are given explicitly. `mesh_ids`
+  may be empty (JaxPP's unused values): metadata only, everywhere. A replica placed
+  here (`sharding_for`: reshards, `mpmd_init`, checkpoints) lies on its group's mesh
+  with every axis, the MPMD axis of size 1 (`MpmdMesh.unstack[i]`), as JaxPP's; a
+  step's results lie on the same devices without that axis (`group_mesh(i)`), an
+  equivalent layout. What needs the value (`np.asarray`, `float`, `int`, `bool`,
+  iteration...) reads it as `Note: reading values` (fetch.py) says: the lowest held
+  replica, or, in MPI mode where some group does not hold it, a collective read that
+  every rank makes. `format` never communicates: the value where held, else the repr,
+  as a `jax.Array` that spans other processes' devices does, so a log line written on
+  one rank only does not stop an MPI job.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import operator
@@ -73,9 +80,12 @@ def without_axis(spec: PartitionSpec, axis: str) -> PartitionSpec:
 #   that reason: splitting a dimension one way leaves it whole. So the axis is dropped
 #   with its meaning intact (`without_axis`), inside a tuple entry too. The MPMD axis
 #   never says which groups hold a value (that is `mesh_ids`, or the step's placement),
-#   and a value is never split across groups. An *array* laid out over the MPMD axis is
-#   another matter: under MPI it is this rank's block of a larger array (Note: SPMD
-#   layouts in reshard/planning.py), which a step refuses (`arguments.signature`).
+#   and a value is never split across groups. Nor is a `jax.Array` laid out over the
+#   MPMD axis: under MPI this rank's meshes have the axis at size 1, so such an array is
+#   the whole array, as `jax.jit` made it on this rank (JaxPP's "initialise with SPMD,
+#   then run the pipeline"); a step and `spmd_to_mpmd_reshard` take it as such (Note:
+#   SPMD layouts in reshard/planning.py; `process_local=True` reads it as this rank's
+#   block instead).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,14 +95,16 @@ class MpmdSharding:
     Args:
       mpmd_mesh: the mesh.
       mesh_ids: the groups holding the value (any iterable of MPMD indexes, or one
-        index); stored as a sorted tuple.
+        index); stored as a sorted tuple. Empty for a value no group holds (JaxPP's
+        unused values: metadata only; `spmd_to_mpmd_reshard` places one on group 0,
+        as JaxPP does).
       spec: a `PartitionSpec` over the group axes (`mpmd_mesh.group_axis_names`).
         The MPMD axis, if named, is dropped (`Note: MPMD axis in specs`), as JaxPP
         does. None means `PartitionSpec()`.
 
     Raises:
-      ValueError: no groups, an index out of range, or a spec naming an unknown axis
-        or an axis twice.
+      ValueError: an index out of range, or a spec naming an unknown axis or an axis
+        twice.
     """
 
     mpmd_mesh: MpmdMesh
@@ -108,9 +120,7 @@ class MpmdSharding:
             raise TypeError(f"mesh_ids must be MPMD indexes (ints), got {self.mesh_ids!r}")
         ids = tuple(sorted({int(i) for i in ids}))
         dim = self.mpmd_mesh.mpmd_dim
-        if not ids:
-            raise ValueError("MpmdSharding needs at least one MPMD group in mesh_ids")
-        if ids[0] < 0 or ids[-1] >= dim:
+        if ids and (ids[0] < 0 or ids[-1] >= dim):
             raise ValueError(
                 f"mesh_ids {ids} out of range: the mesh has {dim} groups (0..{dim - 1})"
             )
@@ -135,7 +145,9 @@ class MpmdSharding:
         return f"MpmdSharding(groups={self.mesh_ids}, spec={_format_spec(self.spec)})"
 
     def sharding_for(self, mpmd_idx: int) -> NamedSharding:
-        """The layout of the replica on group `mpmd_idx`, on that group's mesh.
+        """The layout of the replica on group `mpmd_idx`: on that group's mesh with
+        every axis, the MPMD axis of size 1 (`mpmd_mesh.unstack[mpmd_idx]`), as JaxPP
+        lays values out (`Note: Array placement`).
 
         Raises:
           ValueError: the group does not hold the value, or (MPI mode) is another
@@ -143,28 +155,26 @@ class MpmdSharding:
         """
         if mpmd_idx not in self.mesh_ids:
             raise ValueError(f"group {mpmd_idx} does not hold this value ({self!r})")
-        return NamedSharding(self.mpmd_mesh.group_mesh(mpmd_idx), self.spec)
+        return NamedSharding(self.mpmd_mesh.unstack[mpmd_idx], self.spec)
 
     @property
     def sharding(self) -> NamedSharding:
-        """A `NamedSharding` spanning the devices of every group in `mesh_ids`.
+        """The value's layout over every group in `mesh_ids`, as JaxPP's: a
+        `NamedSharding` on `mpmd_mesh.mpmd_submesh(mesh_ids).jax_mesh` (the MPMD axis of
+        size `len(mesh_ids)`; the spec does not name it, so the value is replicated
+        across the groups).
 
-        In local mode its mesh is `mpmd_mesh.mpmd_submesh(mesh_ids)`'s and the spec does
-        not name the MPMD axis, so the value is replicated across the groups. In MPI
-        mode a rank knows only its own group: the result is `sharding_for(rank)`.
+        In MPI mode, known on every rank: on the holder of a one-group value it is the
+        replica's layout (`sharding_for`); elsewhere its mesh is an `AbstractMesh`
+        (Note: Mesh modes in mesh.py), equal on every rank.
 
         Raises:
-          ValueError: in MPI mode, on a rank whose group does not hold the value.
+          ValueError: no group holds the value (empty `mesh_ids`).
         """
-        mesh = self.mpmd_mesh
-        if mesh.is_local:
-            return NamedSharding(mesh.mpmd_submesh(self.mesh_ids).jax_mesh, self.spec)
-        if mesh.my_mpmd_axis_index not in self.mesh_ids:
-            raise ValueError(
-                f"rank {mesh.my_mpmd_axis_index} does not hold this value ({self!r}); "
-                "in MPI mode its sharding is known only on the owning ranks"
-            )
-        return self.sharding_for(mesh.my_mpmd_axis_index)
+        if not self.mesh_ids:
+            raise ValueError(f"{self!r} is held by no group (an unused value): it has no "
+                             "sharding")
+        return NamedSharding(self.mpmd_mesh.mpmd_submesh(self.mesh_ids).jax_mesh, self.spec)
 
     @property
     def local_mesh_ids(self) -> tuple[int, ...]:
@@ -304,6 +314,19 @@ class MpmdArray:
         return self._arrays[0]
 
     @property
+    def _partially_addressable_arrays(self) -> collections.OrderedDict[int, jax.Array]:
+        """JaxPP's private view of this process's replicas: MPMD index -> replica, in
+        index order (`local_arrays`, ordered; JaxPP's tutorial reads it)."""
+        return collections.OrderedDict(zip(self._held_ids, self._arrays))
+
+    @property
+    def _mpmd_local_sharding(self) -> NamedSharding:
+        """JaxPP's private per-group layout: `spec` on `lowering_mesh()` (the MPMD axis
+        of size 1), known on every rank that holds a group (JaxPP's tests read it)."""
+        return NamedSharding(self._mpmd_sharding.mpmd_mesh.lowering_mesh(),
+                             self._mpmd_sharding.spec)
+
+    @property
     def first_mpmd_replica(self) -> jax.Array | None:
         """The replica of the lowest group in `mpmd_idxs`, when held here; else None."""
         first = self._mpmd_sharding.mesh_ids[0]
@@ -311,8 +334,8 @@ class MpmdArray:
 
     @property
     def sharding(self) -> NamedSharding:
-        """`mpmd_sharding.sharding`: note it differs from a replica's sharding when the
-        array is replicated on several groups."""
+        """`mpmd_sharding.sharding`, on every rank: note it differs from a replica's
+        sharding when the array is replicated on several groups."""
         return self._mpmd_sharding.sharding
 
     @property
@@ -372,10 +395,11 @@ class MpmdArray:
         """True after `delete()`, or when a replica was deleted (e.g. donated)."""
         return self._deleted or any(arr.is_deleted() for arr in self._arrays)
 
-    # -- conversion (Note: Array placement) -------------------------------------------
+    # -- conversion (Note: Array placement, Note: reading values in fetch.py) ---------
 
     def _value_replica(self, op: str) -> jax.Array:
-        """The replica `op` reads: the lowest held group's.
+        """The lowest replica held here, read without any message (the step's and a
+        local reshard's own reads).
 
         Raises:
           TypeError: this process holds no replica; the message names the holders.
@@ -393,34 +417,48 @@ class MpmdArray:
             )
         raise TypeError(
             f"{op} needs the value of {self!r}, which lives on groups {ids}, not on "
-            f"this rank ({mesh.my_mpmd_axis_index}): read it on a rank of those groups "
-            "(where .is_partially_addressable is True), or bring it to every rank with "
-            "mpmd_to_spmd_reshard (called on every rank)"
+            f"this rank ({mesh.my_mpmd_axis_index}): read it on every rank (np.asarray, "
+            "float... fetch it from its holder), or on a rank of those groups "
+            "(.to_mpmd_local_array)"
         )
 
+    def _value(self, op: str) -> Any:
+        """The value `op` reads (Note: reading values, in fetch.py): the lowest held
+        replica, or, in MPI mode where some group does not hold the array, the value
+        fetched from its lowest holder by a read that every rank makes."""
+        from jaxpp_mpi._src import fetch  # a collective: above this module's layer
+
+        if fetch.is_collective_read(self):
+            return fetch.read_value(self, op)
+        return self._value_replica(op)
+
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        """The value as a numpy array; collective in MPI mode where some group does
+        not hold it (Note: reading values, in fetch.py)."""
         kwargs = {} if copy is None else {"copy": copy}
-        return np.asarray(self._value_replica("np.asarray"), dtype=dtype, **kwargs)
+        return np.asarray(self._value("np.asarray"), dtype=dtype, **kwargs)
 
     def __format__(self, format_spec: str) -> str:
+        """The value formatted where held, else the repr; never collective (Note:
+        Array placement)."""
         if not self._arrays:  # as a jax.Array spanning other processes' devices does
             return repr(self)
         return format(self._arrays[0], format_spec)
 
     def __bool__(self) -> bool:
-        return bool(self._value_replica("bool()"))
+        return bool(self._value("bool()"))
 
     def __int__(self) -> int:
-        return int(self._value_replica("int()"))
+        return int(self._value("int()"))
 
     def __float__(self) -> float:
-        return float(self._value_replica("float()"))
+        return float(self._value("float()"))
 
     def __complex__(self) -> complex:
-        return complex(self._value_replica("complex()"))
+        return complex(self._value("complex()"))
 
     def __index__(self) -> int:
-        return operator.index(self._value_replica("operator.index()"))
+        return operator.index(self._value("operator.index()"))
 
     def __len__(self) -> int:
         if not self._shape:
@@ -428,10 +466,12 @@ class MpmdArray:
         return self._shape[0]
 
     def __iter__(self) -> Iterator[jax.Array]:
-        """Iterates the first axis of this process's lowest replica, as `jax.Array`s."""
+        """Iterates the first axis of the value, as `jax.Array`s (collective as
+        `np.asarray` is)."""
         if not self._shape:
             raise TypeError("iteration over a 0-d array")  # as numpy and jax.Array say
-        return iter(self._value_replica("iteration"))
+        value = self._value("iteration")
+        return iter(value if isinstance(value, jax.Array) else jax.numpy.asarray(value))
 
     def __repr__(self) -> str:
         state = ", deleted" if self._deleted else ""

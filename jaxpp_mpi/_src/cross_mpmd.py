@@ -1,4 +1,5 @@
-"""`cross_mpmd_all_reduce`: the sum of values computed on different MPMD groups.
+"""`cross_mpmd_all_reduce`, `cross_mpmd_stack`, `place_with`: JaxPP's cross-group
+operations, as the plain JAX operations they compute.
 
 Note: cross-group sums.
   `cross_mpmd_all_reduce(a, b, ...)` is `a + b + ...`, added in argument order, after
@@ -18,6 +19,11 @@ Note: cross-group sums.
   group needs from the step.
   Under plain `jax.jit` or eagerly, the same adds run in the same order, so a
   pipelined step's sum equals `jax.jit`'s bit for bit.
+  `cross_mpmd_stack(arrays, axis)` is `jnp.stack` on the same terms: a concatenate the
+  compiler places like any equation (after the loop: with its largest operand, Note:
+  outer homes), its operands moved to it by messages. `place_with(val, with_val)` is
+  `val`: JaxPP's primitive is an identity its compiler does not read either; values
+  live where the dataflow puts them (Note: stage assignment, Note: outer homes).
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-__all__ = ["cross_mpmd_all_reduce"]
+__all__ = ["cross_mpmd_all_reduce", "cross_mpmd_stack", "place_with"]
 
 
 def cross_mpmd_all_reduce(*args: Any) -> jax.Array:
@@ -65,3 +71,54 @@ def cross_mpmd_all_reduce(*args: Any) -> jax.Array:
             "the sum has the shape of each operand (reduce or broadcast them first)"
         )
     return functools.reduce(operator.add, arrays)
+
+
+def cross_mpmd_stack(arrays: Any, axis: int = 0) -> jax.Array:
+    """Stacks values that live on different MPMD groups (JaxPP's `cross_mpmd_stack`).
+
+    Call it inside the step, e.g. on each stage's partial loss; see `Note: cross-group
+    sums` for where the result is computed and held.
+
+    Args:
+      arrays: a non-empty sequence of arrays (or scalars) of one dtype and one shape.
+      axis: where the new axis goes in the result, as for `jnp.stack`.
+
+    Returns:
+      `jnp.stack(arrays, axis)`.
+
+    Raises:
+      TypeError: no array, or arrays of different dtypes.
+      ValueError: arrays of different shapes, or `axis` out of range.
+    """
+    arrays = [jnp.asarray(a) for a in arrays]
+    if not arrays:
+        raise TypeError("cross_mpmd_stack needs at least one value to stack")
+    dtypes = [a.dtype for a in arrays]
+    if any(d != dtypes[0] for d in dtypes):
+        raise TypeError(
+            f"cross_mpmd_stack: all arrays must have the same dtype, got "
+            f"{[str(d) for d in dtypes]}; cast them first (e.g. x.astype(jnp.float32))")
+    shapes = [a.shape for a in arrays]
+    if any(s != shapes[0] for s in shapes):
+        raise ValueError(f"cross_mpmd_stack: all arrays must have the same shape, got "
+                         f"{shapes}")
+    ndim = arrays[0].ndim + 1
+    if not -ndim <= axis < ndim:
+        raise ValueError(f"cross_mpmd_stack: axis {axis} is out of range for the "
+                         f"{ndim}-dimensional result")
+    return jnp.stack(arrays, axis=axis)
+
+
+def place_with(val: Any, with_val: Any) -> Any:
+    """JaxPP's placement hint `place_with(val, with_val)`: returns `val` (see `Note:
+    cross-group sums`; the compiler places values by their dataflow).
+
+    Args:
+      val: the value.
+      with_val: the value JaxPP's hint names; not read.
+
+    Returns:
+      `val`.
+    """
+    del with_val
+    return val

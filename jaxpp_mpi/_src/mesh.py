@@ -15,8 +15,12 @@ Note: Mesh modes.
   on ranks `idxs`: a member rank knows its own group, a non-member none
   (`local_groups == ()`), and unless `idxs` is every rank in order its MPMD indexes
   are not communicator ranks, so it has no `comm`: it describes groups, it runs
-  nothing. JaxPP's device-level views (`unstack`, `device_coords`, ...) are in
-  `mesh_views.py`.
+  nothing. Its `jax_mesh` is JaxPP's (every axis, the MPMD axis of size `len(idxs)`)
+  as far as this process can hold it: on the rank of a one-group submesh that group's
+  devices (`my_mpmd_group_mesh`), everywhere else the `AbstractMesh` of that shape
+  (metadata, the same on every rank), so a value's `sharding` and a submesh compare
+  alike on every rank. JaxPP's device-level views (`unstack`, `device_coords`, ...)
+  are in `mesh_views.py`.
   The mode depends only on the mesh, the communicator's size and the MPI world size,
   which every rank sees the same way, so mode errors are raised on every rank alike.
 
@@ -38,9 +42,11 @@ Note: Default communicator.
   `MpmdMesh` at the same point of the program on every rank, and once per program
   (communicators are a finite resource in some MPI libraries). Every MPI-mode mesh hands
   its communicator to the MPI runtime (`runtime.mpi.adopt_comm`), which prepares the job
-  for failures (Note: abort on exception in runtime/failure.py). Nothing here imports
-  mpi4py; the MPI world size is read from an already-imported `mpi4py.MPI` or from the
-  launcher's environment (`launch.env.job_world_size`).
+  for failures (Note: abort on exception in runtime/failure.py), and duplicates it once
+  more, for the collective reads of values (Note: reading values, in fetch.py), so
+  building an MPI-mode mesh is collective over its communicator, whoever made it.
+  Nothing here imports mpi4py; the MPI world size is read from an already-imported
+  `mpi4py.MPI` or from the launcher's environment (`launch.env.job_world_size`).
 """
 
 from __future__ import annotations
@@ -52,10 +58,10 @@ from typing import Any, ClassVar, Protocol
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh
+from jax.sharding import AbstractMesh, AxisType, Mesh
 
 from jaxpp_mpi._src.launch.env import job_world_size
-from jaxpp_mpi._src.mesh_views import GroupViews
+from jaxpp_mpi._src.mesh_views import GroupViews, abstract_groups
 
 __all__ = ["MpmdMesh"]
 
@@ -94,6 +100,13 @@ def _adopt(comm: Comm) -> None:
     from jaxpp_mpi._src.runtime.mpi import adopt_comm
 
     adopt_comm(comm)
+
+
+def _duplicate(comm: Comm) -> Comm:
+    """A duplicate of `comm` for reading values (Note: Default communicator); `comm`
+    itself for a stand-in without `Dup` (tests)."""
+    dup = getattr(comm, "Dup", None)
+    return comm if dup is None else dup()
 
 
 def _is_addressable(device: Any) -> bool:
@@ -212,6 +225,7 @@ class MpmdMesh(GroupViews):
             )
         self._is_local = True
         self._comm = comm
+        self._read_comm = None
         self._mpmd_dim = axis_size
         self._my_idx = None
         self._my_rank = None
@@ -243,6 +257,7 @@ class MpmdMesh(GroupViews):
         self._my_rank = self._my_idx = int(comm.Get_rank())
         self._ranks = tuple(range(self._mpmd_dim))
         self._root_comm = comm
+        self._read_comm = _duplicate(comm)
         devices = self._jax_mesh.devices
         if self._axis_pos is not None:
             devices = np.take(devices, 0, axis=self._axis_pos)
@@ -345,7 +360,7 @@ class MpmdMesh(GroupViews):
     # -- properties ---------------------------------------------------------------
 
     def _require_held(self) -> None:
-        if self._jax_mesh is None:
+        if not self._is_local and self._my_idx is None:
             raise ValueError(
                 f"{self!r} holds no devices on this rank ({self._my_rank}): its groups "
                 f"live on MPI ranks {list(self._ranks)}. Check local_groups (empty here) "
@@ -353,17 +368,20 @@ class MpmdMesh(GroupViews):
             )
 
     @property
-    def jax_mesh(self) -> Mesh:
+    def jax_mesh(self) -> Mesh | AbstractMesh:
         """The mesh given: all groups in local mode, this rank's group in MPI mode.
 
-        For an MPI-mode `mpmd_submesh`, this rank's group mesh with the MPMD axis (size
-        1); a rank holding none of the submesh's groups has no devices of it.
-
-        Raises:
-          ValueError: an MPI-mode submesh of groups this rank does not hold.
+        For an MPI-mode `mpmd_submesh` (Note: Mesh modes): the group mesh with the MPMD
+        axis (size 1) on the rank of a one-group submesh, else the `AbstractMesh` of the
+        submesh's groups (the MPMD axis of size `mpmd_dim`), on every rank alike.
         """
-        self._require_held()
         return self._jax_mesh
+
+    @property
+    def _values_comm(self) -> Comm | None:
+        """The communicator of collective reads (Note: reading values, in fetch.py):
+        a duplicate of `comm`; None in local mode and for a submesh without `comm`."""
+        return self._read_comm
 
     @property
     def mpmd_axis_name(self) -> str:
@@ -483,17 +501,19 @@ class MpmdMesh(GroupViews):
         return tuple(self.group_mesh(mpmd_idx).devices.flat)
 
     def lowering_mesh(self) -> Mesh:
-        """The mesh stage executables are compiled for.
+        """The mesh a stage's values are laid out on, as JaxPP's: a group mesh with every
+        axis, the MPMD axis of size 1, so a spec naming it splits nothing.
 
-        In MPI mode this rank's group mesh. In local mode group 0's mesh: every group
-        has the same shape, so a stage compiled for it is re-targeted to another group
-        by its shardings on that group's mesh. Unlike JaxPP's, it has no MPMD axis.
+        In MPI mode this rank's group (`my_mpmd_group_mesh`). In local mode group 0's
+        (`unstack[0]`): every group has the same shape, so a stage laid out for it is
+        re-targeted to another group by its shardings on that group's mesh.
+        `group_mesh(i)` is the same devices without the MPMD axis.
 
         Raises:
           ValueError: a rank holding none of an MPI-mode submesh's groups.
         """
         self._require_held()
-        return self._group_meshes[0]
+        return self._stacked(self._group_meshes[0])
 
     def mpmd_submesh(self, mpmd_idxs: Iterable[int]) -> MpmdMesh:
         """The `MpmdMesh` of groups `mpmd_idxs`, group `mpmd_idxs[k]` becoming group `k`.
@@ -504,12 +524,13 @@ class MpmdMesh(GroupViews):
         Returns:
           In local mode the `MpmdMesh` of the slice of `jax_mesh` at those indexes along the
           MPMD axis, local even for one group. In MPI mode an MPI-mode mesh of the
-          groups on those ranks, on every rank alike: its `jax_mesh` is this rank's
-          group with the MPMD axis (size 1) if this rank is one of them
-          (`my_mpmd_axis_index` is then its position in `mpmd_idxs`); a rank holding
-          none of them gets `local_groups == ()` and an error from `jax_mesh`. Unless
-          `mpmd_idxs` is every group in order, it has no communicator (`comm` raises):
-          it describes groups, and cannot run a pipeline.
+          groups on those ranks, on every rank alike: a member rank knows its own group
+          (`my_mpmd_axis_index` is then its position in `mpmd_idxs`), a rank holding
+          none of them gets `local_groups == ()`; its `jax_mesh` is this rank's group
+          with the MPMD axis (size 1) for a one-group submesh of this rank, else the
+          `AbstractMesh` of the groups (Note: Mesh modes). Unless `mpmd_idxs` is every
+          group in order, it has no communicator (`comm` raises): it describes groups,
+          and cannot run a pipeline.
 
         Raises:
           ValueError: empty, repeated or out-of-range indexes.
@@ -534,7 +555,10 @@ class MpmdMesh(GroupViews):
                       "_num_replicas", "_replica_axis_name", "_replica_idx",
                       "_replica_comm", "_job_comm"):
             setattr(sub, field, getattr(self, field))
-        sub._jax_mesh = self.my_mpmd_group_mesh if mine else None
+        sub._jax_mesh = (self.my_mpmd_group_mesh if mine and len(idxs) == 1 else
+                         abstract_groups(self._group_shape, self._group_axis_types,
+                                         self._mpmd_axis_name, self._mpmd_axis,
+                                         self._mpmd_axis_type, len(idxs)))
         sub._axis_pos = self._mpmd_axis
         sub._is_local = False
         sub._mpmd_dim = len(idxs)
@@ -544,5 +568,6 @@ class MpmdMesh(GroupViews):
         sub._root_comm = self._root_comm
         every_rank = tuple(range(int(self._root_comm.Get_size())))
         sub._comm = self._root_comm if sub._ranks == every_rank else None
+        sub._read_comm = self._values_comm if sub._comm is not None else None
         sub._group_meshes = self._group_meshes if mine else ()
         return sub

@@ -4,7 +4,8 @@ JaxPP's `MpmdMesh` hands out per-group meshes that keep every axis (the MPMD axi
 size 1: `unstack`, `my_mpmd_group_mesh`) and maps from devices to their coordinates. In
 MPI mode a rank knows only its own group's devices (Note: Mesh modes in `mesh.py`), so
 the views here are partial there: they hold what this process has and name the rank
-that has the rest.
+that has the rest. Where only the shape matters (a submesh of other ranks' groups), the
+view is a `jax.sharding.AbstractMesh` (`abstract_groups`): the same on every rank.
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
-from jax.sharding import AxisType, Mesh
+from jax.sharding import AbstractMesh, AxisType, Mesh
 
-__all__ = ["DeviceMap", "GroupMeshes", "GroupViews", "device_coords", "stack_group"]
+__all__ = ["DeviceMap", "GroupMeshes", "GroupViews", "abstract_groups", "device_coords",
+           "stack_group"]
 
 
 def stack_group(group: Mesh, axis_name: str, axis_pos: int,
@@ -38,6 +40,32 @@ def stack_group(group: Mesh, axis_name: str, axis_pos: int,
     types.insert(axis_pos, axis_type)
     return Mesh(np.expand_dims(group.devices, axis_pos), tuple(names),
                 axis_types=tuple(types))
+
+
+def abstract_groups(group_shape: Mapping[str, int], group_types: Sequence[AxisType],
+                    axis_name: str, axis_pos: int, axis_type: AxisType,
+                    num_groups: int) -> AbstractMesh:
+    """The device-free mesh of `num_groups` groups side by side along the MPMD axis.
+
+    Args:
+      group_shape: a group mesh's axis sizes by name, in axis order (no MPMD axis).
+      group_types: their `AxisType`s.
+      axis_name: the MPMD axis's name.
+      axis_pos: its position among the axes of the result.
+      axis_type: its type.
+      num_groups: its size.
+
+    Returns:
+      An `AbstractMesh` with the group's axes and the MPMD axis of size `num_groups`:
+      equal on every rank that builds it from the same arguments.
+    """
+    names = list(group_shape)
+    sizes = [group_shape[n] for n in names]
+    types = list(group_types)
+    names.insert(axis_pos, axis_name)
+    sizes.insert(axis_pos, num_groups)
+    types.insert(axis_pos, axis_type)
+    return AbstractMesh(tuple(sizes), tuple(names), axis_types=tuple(types))
 
 
 def device_coords(groups: Mapping[int, Mesh], axis_pos: int) -> dict[Any, tuple[int, ...]]:

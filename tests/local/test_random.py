@@ -153,8 +153,10 @@ def key_data(x) -> np.ndarray:
 def held(x) -> tuple[bool, np.ndarray | None]:
     """(is a key, value) of a result leaf: numpy, a key as its key data, None for an
     MpmdArray this process does not hold (MPI mode)."""
-    if isinstance(x, jaxpp_mpi.MpmdArray) and not x.is_partially_addressable:
-        return is_key(x), None
+    if isinstance(x, jaxpp_mpi.MpmdArray):
+        if not x.is_partially_addressable:
+            return is_key(x), None
+        x = next(iter(x.local_arrays.values()))  # a replica held here: no message
     if is_key(x):
         return True, key_data(x)
     return False, np.asarray(x)

@@ -11,7 +11,7 @@ import re
 import jax
 import numpy as np
 import pytest
-from jax.sharding import Mesh
+from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from mpi4py import MPI
 
@@ -51,7 +51,7 @@ def test_make_mpmd_mesh(mesh):
     own = mesh.group_mesh(RANK)
     assert own.axis_names == ("data",)
     assert list(own.devices.flat) == jax.local_devices()
-    assert mesh.lowering_mesh() == own
+    assert mesh.lowering_mesh() == mesh.my_mpmd_group_mesh  # MPMD axis of size 1
     assert dict(mesh.mpmd_submesh((RANK,)).jax_mesh.shape) == {"stage": 1, "data": K}
     other = (RANK + 1) % SIZE
     with pytest.raises(ValueError, match=f"group {other} lives on MPI rank {other}"):
@@ -81,16 +81,22 @@ def test_submesh_of_even_ranks(mesh):
     evens = list(range(0, SIZE, 2))
     sub = mesh.mpmd_submesh(evens)
     assert sub.mpmd_dim == len(evens) and not sub.is_local
+    # JaxPP's submesh of those groups: devices where this rank holds them all (one group
+    # of its own), else the same metadata on every rank.
+    if evens == [RANK]:
+        assert sub.jax_mesh == mesh.my_mpmd_group_mesh
+    else:
+        assert sub.jax_mesh == AbstractMesh((len(evens), K), ("stage", "data"))
     if RANK in evens:
         assert sub.my_mpmd_axis_index == RANK // 2 and sub.local_groups == (RANK // 2,)
-        assert sub.jax_mesh == mesh.my_mpmd_group_mesh
+        assert sub.my_mpmd_group_mesh == mesh.my_mpmd_group_mesh == sub.lowering_mesh()
         assert sub.group_mesh(RANK // 2) == mesh.group_mesh(RANK)
         assert [sub.device_coords[d] for d in jax.local_devices()] == [
             (RANK // 2, j) for j in range(K)]
     else:
         assert sub.my_mpmd_axis_index is None and sub.local_groups == ()
         with pytest.raises(ValueError, match=f"holds no devices on this rank \\({RANK}\\)"):
-            sub.jax_mesh
+            sub.lowering_mesh()
     with pytest.raises(ValueError, match="no communicator"):
         sub.comm
     assert mesh.mpmd_submesh(range(SIZE)).comm is mesh.comm
@@ -152,20 +158,18 @@ def test_array_addressability(mesh, owners):
     assert a.is_partially_addressable == owned
     assert a.is_mpmd_replicated == (len(ids) > 1)
     assert a.shape == value.shape and a.dtype == np.float32
+    # The value's sharding, known on every rank (JaxPP's): on the submesh of its groups.
+    assert a.sharding == NamedSharding(mesh.mpmd_submesh(ids).jax_mesh, spec)
+    np.testing.assert_array_equal(np.asarray(a), value)  # every rank reads it
     if owned:
         local = a.to_mpmd_local_array
         assert isinstance(local, jax.Array)
         assert local.sharding.device_set == set(jax.local_devices())
-        assert local.sharding.is_equivalent_to(sharding.sharding_for(RANK), 2)
-        assert a.sharding == sharding.sharding_for(RANK)
-        np.testing.assert_array_equal(np.asarray(a), value)
+        assert local.sharding == sharding.sharding_for(RANK)
+        assert (a.sharding == local.sharding) == (len(ids) == 1)
         assert (a.first_mpmd_replica is local) == (RANK == min(ids))
     else:
         assert a.to_mpmd_local_array is None and a.first_mpmd_replica is None
-        with pytest.raises(TypeError, match=f"not on this rank \\({RANK}\\)"):
-            np.asarray(a)
-        with pytest.raises(ValueError, match=f"rank {RANK} does not hold this value"):
-            a.sharding
         with pytest.raises(ValueError, match="shape and dtype must be given"):
             MpmdArray([], sharding)
     a.block_until_ready()

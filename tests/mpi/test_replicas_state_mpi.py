@@ -260,12 +260,12 @@ def test_init_and_reshard_with_replicas_match_numpy_on_every_rank(meshes):
               jax.device_put(values[1], NamedSharding(spmd_mesh, P()))]
     targets = [MpmdSharding(mesh, range(GROUPS), P("data")),
                MpmdSharding(mesh, GROUPS - 1, P(None, "data"))]
-    mpmd = jaxpp_mpi.spmd_to_mpmd_reshard(mesh, inputs, targets)
+    mpmd = jaxpp_mpi.spmd_to_mpmd_reshard(mesh, inputs, targets, process_local=True)
     for arr, v, t in zip(mpmd, values, targets):
         held = me in t.mesh_ids
         ok = ok and arr.is_partially_addressable == held
         ok = ok and (not held or np.array_equal(bits(arr.to_mpmd_local_array), bits(v)))
-    back = jaxpp_mpi.mpmd_to_spmd_reshard(mesh, mpmd, [P("stage"), P()])
+    back = jaxpp_mpi.mpmd_to_spmd_reshard(mesh, mpmd, [P("stage"), P()], process_local=True)
     ok = ok and np.array_equal(bits(back[0]), bits(values[0][me * rows:(me + 1) * rows]))
     ok = ok and np.array_equal(bits(back[1]), bits(values[1]))
     _everywhere(ok, f"rank {RANK} (replica {mesh.replica_idx})")

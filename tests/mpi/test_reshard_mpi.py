@@ -51,7 +51,8 @@ def block_of(value: np.ndarray, dim) -> np.ndarray:
 
 
 def spmd_input(mesh, value: np.ndarray, dim, with_data: bool):
-    """The SPMD input of this rank: its block (spec naming the MPMD axis) or the whole."""
+    """The SPMD input of this rank: its block (spec naming the MPMD axis, read with
+    `process_local=True`) or the whole."""
     axis = ("stage", "data") if with_data else "stage"
     sharding = NamedSharding(mesh.mpmd_submesh((RANK,)).jax_mesh, spec_on(value.ndim, dim, axis))
     return jax.device_put(block_of(value, dim), sharding)
@@ -85,7 +86,7 @@ def test_round_trip_returns_the_same_bytes_on_every_rank(mesh, leaves, seed):
     inputs = [spmd_input(mesh, v, c["src"], c["src_data"]) for v, c in zip(values, leaves)]
     targets = [MpmdSharding(mesh, c["owners"], c["inner"]) for c in leaves]
     problems = []
-    mpmd = jaxpp_mpi.spmd_to_mpmd_reshard(mesh, inputs, targets)
+    mpmd = jaxpp_mpi.spmd_to_mpmd_reshard(mesh, inputs, targets, process_local=True)
     for i, (x, arr, v, t) in enumerate(zip(inputs, mpmd, values, targets)):
         if not x.is_deleted() or arr.shape != v.shape or arr.dtype != v.dtype:
             problems.append(f"leaf {i}: input kept or {arr} is not {v.dtype}{v.shape}")
@@ -97,7 +98,7 @@ def test_round_trip_returns_the_same_bytes_on_every_rank(mesh, leaves, seed):
                     and np.array_equal(bits(replica), bits(v))):
                 problems.append(f"leaf {i}: replica differs from the value")
     dst = [spec_on(len(c["shape"]), c["dst"], "stage") for c in leaves]
-    back = jaxpp_mpi.mpmd_to_spmd_reshard(mesh, mpmd, dst)
+    back = jaxpp_mpi.mpmd_to_spmd_reshard(mesh, mpmd, dst, process_local=True)
     for i, (out, arr, v, c, spec) in enumerate(zip(back, mpmd, values, leaves, dst)):
         want = block_of(v, c["dst"])
         layout = NamedSharding(mesh.mpmd_submesh((RANK,)).jax_mesh, spec)
@@ -117,9 +118,10 @@ def test_messages_take_the_cheapest_collective(mesh):
     everyone, one = MpmdSharding(mesh, range(SIZE), P()), MpmdSharding(mesh, SIZE - 1, P())
     got = jaxpp_mpi.spmd_to_mpmd_reshard(
         mesh, [whole, spmd_input(mesh, v, 0, False), spmd_input(mesh, v, 0, False)],
-        [one, everyone, one])
+        [one, everyone, one], process_local=True)
     first = list(reshard.last_stats.collectives)
-    back = jaxpp_mpi.mpmd_to_spmd_reshard(mesh, got, [P(), P(), P("stage")])
+    back = jaxpp_mpi.mpmd_to_spmd_reshard(mesh, got, [P(), P(), P("stage")],
+                                          process_local=True)
     second = list(reshard.last_stats.collectives)
     ok = (first == ["allgather", "gather"] and second == ["bcast", "scatter"]
           and np.array_equal(bits(back[0]), bits(v)) and np.array_equal(bits(back[1]), bits(v))
@@ -138,15 +140,17 @@ def test_batches_bound_the_bytes_in_flight(mesh):
     # On group 0 a whole value takes 1 KiB on each of its K devices; staging it through
     # the first device (K > 1) adds at most 2 more copies.
     largest = 1024 * (K + (2 if K > 1 else 0))
-    out = jaxpp_mpi.spmd_to_mpmd_reshard(mesh, inputs, targets, threshold=threshold)
+    out = jaxpp_mpi.spmd_to_mpmd_reshard(mesh, inputs, targets, threshold=threshold,
+                                         process_local=True)
     stats = reshard.last_stats
     ok = (stats.threshold == threshold and len(stats.batches) == (4 if K == 1 else 8)
           and stats.peak_in_flight_bytes <= threshold + largest
           and all(x.is_deleted() for x in inputs))
     if RANK == 0:
         ok = ok and stats.peak_in_flight_bytes > 0 and all(
-            np.array_equal(bits(a), bits(v)) for a, v in zip(out, values))
-    back = jaxpp_mpi.mpmd_to_spmd_reshard(mesh, out, [P("stage")] * 8, threshold=threshold)
+            np.array_equal(bits(a.to_mpmd_local_array), bits(v)) for a, v in zip(out, values))
+    back = jaxpp_mpi.mpmd_to_spmd_reshard(mesh, out, [P("stage")] * 8, threshold=threshold,
+                                          process_local=True)
     ok = ok and reshard.last_stats.peak_in_flight_bytes <= threshold + largest and all(
         np.array_equal(bits(b), bits(block_of(v, 0))) for b, v in zip(back, values))
     _everywhere(ok, f"rank {RANK}: {reshard.last_stats}")
@@ -164,7 +168,7 @@ def test_bad_input_on_one_rank_raises_on_every_rank(mesh):
     ]
     for arrays, match in cases:
         try:
-            jaxpp_mpi.spmd_to_mpmd_reshard(mesh, arrays, target)
+            jaxpp_mpi.spmd_to_mpmd_reshard(mesh, arrays, target, process_local=True)
         except ValueError as e:
             ok, msg = match in str(e), str(e)
         else:

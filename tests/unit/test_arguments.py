@@ -151,21 +151,17 @@ def test_mpmd_sharding_drops_the_mpmd_axis():
     assert MpmdSharding(mesh, 1, P(("data", "stage"))).spec == P("data")
 
 
-def test_block_over_the_mpmd_axis_is_refused_under_mpi():
-    """MPI mode: an array laid out over the MPMD axis is this rank's block of a larger
-    array (Note: SPMD layouts): the argument check refuses it, naming what to do; in
-    one process it is a whole array."""
+def test_array_over_the_mpmd_axis_is_the_whole_array():
+    """An array laid out over the MPMD axis (size 1 on this rank's mesh, as a rank's own
+    `jax.jit` makes it) is the whole array, as in JaxPP: its shape keys the step, its
+    layout does not."""
     group = jax.make_mesh((1, 2), ("stage", "data"))
-    block = jax.device_put(np.ones((4, 2), np.float32), NamedSharding(group, P("stage")))
-    call = split((block, 2), {"batch": 1.0})
-    with pytest.raises(
-        ValueError,
-        match=r"argument args\[0\] is laid out over the MPMD axis "
-        r"'stage'.*this rank's block of an array 2 times "
-        r"larger.*spmd_to_mpmd_reshard",
-    ):
-        signature(call, ("stage", 2))
-    assert signature(call)[1][0][0] == (4, 2)
+    whole = jax.device_put(np.ones((4, 2), np.float32),
+                           NamedSharding(group, P(("stage", "data"))))
+    plain = np.ones((4, 2), np.float32)
+    sig = signature(split((whole, 2), {"batch": 1.0}))
+    assert sig[1][0] == ((4, 2), "float32", False, ())
+    assert sig == signature(split((plain, 2), {"batch": 1.0}))
 
 
 # ------------------------------------------------------------------ JaxPP names

@@ -7,7 +7,7 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
-from jax.sharding import AxisType, Mesh
+from jax.sharding import AbstractMesh, AxisType, Mesh
 
 from jaxpp_mpi._src import mesh as mesh_mod
 from jaxpp_mpi._src.launch.env import WORLD_SIZE_VARS
@@ -62,7 +62,8 @@ def test_local_mode_groups(shape, names, axis):
         assert g.axis_names == rest
         np.testing.assert_array_equal(g.devices, np.take(jmesh.devices, i, axis=pos))
         assert mm.devices_of(i) == tuple(np.take(jmesh.devices, i, axis=pos).flat)
-    assert mm.lowering_mesh() == mm.group_mesh(0)
+    # JaxPP's lowering mesh: group 0 with every axis, the MPMD axis of size 1.
+    assert mm.lowering_mesh() == mm.unstack[0] == mm.mpmd_submesh([0]).jax_mesh
     # Groups partition the devices.
     all_ids = sorted(d.id for i in range(n) for d in mm.devices_of(i))
     assert all_ids == list(range(8))
@@ -171,7 +172,8 @@ def test_mpi_mode(with_axis):
     own = mm.group_mesh(1)
     assert own.axis_names == ("data",)
     assert list(own.devices) == list(devices)
-    assert mm.lowering_mesh() == own
+    assert mm.lowering_mesh() == mm.my_mpmd_group_mesh
+    assert dict(mm.lowering_mesh().shape) == {"stage": 1, "data": 2}
     assert mm.devices_of(1) == tuple(devices)
     with pytest.raises(ValueError, match="group 0 lives on MPI rank 0; this is rank 1"):
         mm.group_mesh(0)
@@ -295,8 +297,10 @@ def test_mpi_submesh_member():
     sub = mm.mpmd_submesh([2, 1])
     assert not sub.is_local and sub.mpmd_dim == 2
     assert sub.my_mpmd_axis_index == 1 and sub.local_groups == (1,)
-    assert sub.jax_mesh == mm.my_mpmd_group_mesh == sub.my_mpmd_group_mesh
-    assert sub.group_mesh(1) == mm.group_mesh(1) == sub.lowering_mesh()
+    # Two groups: JaxPP's mesh of both, as metadata (no rank holds both).
+    assert sub.jax_mesh == AbstractMesh((2, 2), ("stage", "data"))
+    assert sub.my_mpmd_group_mesh == mm.my_mpmd_group_mesh == sub.lowering_mesh()
+    assert sub.group_mesh(1) == mm.group_mesh(1)
     assert sub.group_shape == {"data": 2} and sub.group_size == 2
     assert dict(sub.device_coords) == {d: (1, j) for j, d in enumerate(devices)}
     with pytest.raises(ValueError, match="group 0 lives on MPI rank 2; this is rank 1"):
@@ -314,7 +318,8 @@ def test_mpi_submesh_member():
         mm.mpmd_submesh([0, 1]).comm  # ranks 0 and 1 in order, but not every rank
     whole = mm.mpmd_submesh([0, 1, 2, 3])
     assert whole.comm is comm and whole.my_mpmd_axis_index == 1
-    assert whole.jax_mesh == mm.my_mpmd_group_mesh
+    assert whole.jax_mesh == AbstractMesh((4, 2), ("stage", "data"))
+    assert again.jax_mesh == mm.my_mpmd_group_mesh  # this rank's one group
 
 
 def test_mpi_submesh_non_member():
@@ -325,11 +330,13 @@ def test_mpi_submesh_non_member():
     assert sub.local_groups == () and sub.group_shape == {"data": 2}
     assert len(sub.device_coords) == 0 and sub.mpmd_idx_for_mesh == {}
     no_devices = r"holds no devices on this rank \(1\): its groups live on MPI ranks \[0, 2\]"
-    for attr in ("jax_mesh", "my_mpmd_group_mesh"):
-        with pytest.raises(ValueError, match=no_devices):
-            getattr(sub, attr)
+    with pytest.raises(ValueError, match=no_devices):
+        sub.my_mpmd_group_mesh
     with pytest.raises(ValueError, match=no_devices):
         sub.lowering_mesh()
+    # Its mesh as metadata, as every rank sees it (JaxPP's tests read it everywhere).
+    assert sub.jax_mesh == AbstractMesh((2, 2), ("stage", "data"))
+    assert sub.mpmd_submesh([1]).jax_mesh == AbstractMesh((1, 2), ("stage", "data"))
     with pytest.raises(ValueError, match="group 1 lives on MPI rank 2; this is rank 1, "
                                          "which holds none of the groups"):
         sub.group_mesh(1)

@@ -21,11 +21,12 @@ __all__ = ["Mover"]
 
 # Note: Reshard messages (MPI mode).
 #   spmd -> mpmd: a whole input stays where it is (owners keep a copy, no message); a
-#   blocked one is assembled with one allgather when every group owns the result, else
-#   with one gather per owning group (cheaper: non-owners receive nothing).
+#   block (`process_local`, Note: SPMD layouts) is assembled with one allgather when
+#   every group owns the result, else with one gather per owning group (cheaper:
+#   non-owners receive nothing).
 #   mpmd -> spmd: a result held by every group is sliced or copied locally (no message);
 #   otherwise the first owning group broadcasts it (whole target) or scatters its blocks
-#   (blocked target). Collectives run on the first device of each group (mpi4jax's
+#   (blocked target, `process_local`). Collectives run on the first device of each group (mpi4jax's
 #   ordered effects need single-device computations), so a group of K > 1 devices stages
 #   values through that device.
 

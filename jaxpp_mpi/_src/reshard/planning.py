@@ -20,25 +20,26 @@ from jaxpp_mpi._src.types import PyTree
 __all__ = ["Leaf", "ReshardStats", "batches", "mpmd_leaf", "prepare", "spmd_leaf", "spmd_mesh"]
 
 # Note: SPMD layouts.
-#   An SPMD value is one logical array in one of two layouts:
-#   - whole: this process holds the whole array (any `jax.Array`, or a numpy array);
-#   - blocked: its `NamedSharding` spec names the MPMD axis on dimension `d` (as the
-#     first, most major, name of that entry, or after axes of size 1 only, as in
-#     `P(None, ("model", "mpmd"))` with a 1-device "model"); group `i` holds block `i`
-#     of `shape[d] // mpmd_dim` rows along `d`.
-#   Local mode: a `jax.Array` always is the whole logical array (JAX's global view); a
-#   blocked one is merely laid out over the groups of `mpmd_mesh.jax_mesh`, in any
-#   position of any entry.
-#   MPI mode: JAX sees only this rank's devices, laid out as `spmd_mesh(mpmd_mesh)`, the
-#   rank's group mesh with the MPMD axis of size 1. An array whose `NamedSharding` names
-#   the MPMD axis on dimension `d` is *this rank's block*, as its addressable data would
-#   be under multi-controller JAX: the logical shape is `mpmd_dim` times larger along
-#   `d`. (So `jax.jit(f, out_shardings=NamedSharding(mesh.jax_mesh, P(axis)))` computes a
-#   whole array here, not a block: slice the rank's block out, or jit the block.) Every
-#   other array is the whole array, and every rank passes the same logical shape and
-#   dtype. With pipeline replicas (Note: Pipeline replicas in mesh.py) each replica
-#   reshards over its own pipeline, rank = MPMD index as above, so a rank's block is that
-#   of its group in every replica; the input checks are agreed over the whole job.
+#   An SPMD value is one logical array, whole on every process: its `.shape` is its
+#   shape, as in JAX, whatever its layout. In local mode that is JAX's global view. In
+#   MPI mode JAX sees only this rank's devices, laid out as `spmd_mesh(mpmd_mesh)` (the
+#   rank's group mesh with the MPMD axis of size 1): an array laid out over the MPMD
+#   axis there (`jax.jit(init, out_shardings=NamedSharding(mesh, P(("stage", "fsdp"))))`,
+#   `jax.make_array_from_callback(shape, sharding, ...)`) is the whole array that this
+#   rank computed, as JaxPP's programs make it (Note: MPMD axis in specs in array.py), and
+#   every rank passes the same logical shape and dtype. A target naming the MPMD axis
+#   (mpmd -> spmd) gives the whole array too.
+#   `process_local=True` (MPI mode) reads an array whose spec names the MPMD axis on
+#   dimension `d` (as the first, most major, name of that entry, or after axes of size
+#   1 only, as in `P(None, ("model", "mpmd"))` with a 1-device "model") as *this rank's
+#   block*, as its addressable data would be under multi-controller JAX: group `i`
+#   holds block `i` of `shape[d]` rows along `d`, and the logical shape is `mpmd_dim`
+#   times larger there (a value initialised block by block, each rank computing its
+#   part only); a target naming the MPMD axis then gives this rank's block. In local
+#   mode `process_local` changes nothing. With pipeline replicas (Note: Pipeline
+#   replicas in mesh.py) each replica reshards over its own pipeline, rank = MPMD index
+#   as above, so a rank's block is that of its group in every replica; the input checks
+#   are agreed over the whole job.
 #
 # Note: Reshard batches.
 #   Leaves move in flat (pytree) order, in batches: a batch takes leaves while the
@@ -156,7 +157,15 @@ def _flatten_pair(values: Any, targets: Any, is_target: Callable, names: tuple[s
     return [x for _, x in flat], target_leaves, paths, tree
 
 
-def spmd_leaf(mesh: MpmdMesh, k: int, path: str, x: Any, target: Any) -> Leaf:
+def spmd_leaf(mesh: MpmdMesh, k: int, path: str, x: Any, target: Any,
+              process_local: bool = False) -> Leaf:
+    """One spmd -> mpmd leaf (Note: SPMD layouts); an unused target (no group) is
+    placed on group 0, as JaxPP does.
+
+    Raises:
+      ValueError: `x` is not an array or is deleted, `target` is not an
+        `MpmdSharding` of `mesh`, or the layouts do not fit the shape.
+    """
     what = f"spmd_arrays{path if path != '<root>' else ''}"
     if isinstance(x, MpmdArray):
         raise ValueError(f"{what} is already an MpmdArray; spmd_to_mpmd_reshard takes "
@@ -171,15 +180,16 @@ def spmd_leaf(mesh: MpmdMesh, k: int, path: str, x: Any, target: Any) -> Leaf:
                          f"got {type(target).__name__}")
     if target.mpmd_mesh != mesh:
         raise ValueError(f"mpmd_shardings for {what}: {target!r} belongs to another mesh")
+    if not target.mesh_ids:  # JaxPP's unused values: group 0 holds them
+        target = MpmdSharding(mesh, (0,), target.spec)
     shape = tuple(x.shape)
     dtype = np.dtype(jax.dtypes.canonicalize_dtype(x.dtype))
     block_dim = None
     sh = getattr(x, "sharding", None)
     axis = mesh.mpmd_axis_name
-    if isinstance(sh, NamedSharding) and axis in sh.mesh.axis_names:
-        # Local mode: a global array, the whole logical array.
-        block_dim = None if mesh.is_local else _block_dim(sh.spec, axis, what,
-                                                          dict(sh.mesh.shape))
+    if process_local and not mesh.is_local and isinstance(sh, NamedSharding) \
+            and axis in sh.mesh.axis_names:
+        block_dim = _block_dim(sh.spec, axis, what, dict(sh.mesh.shape))
         if block_dim is not None:
             if set(sh.device_set) != set(mesh.devices_of(mesh.my_mpmd_axis_index)):
                 raise ValueError(f"{what}: a block must lie on this rank's group devices, "
@@ -193,19 +203,28 @@ def spmd_leaf(mesh: MpmdMesh, k: int, path: str, x: Any, target: Any) -> Leaf:
     return Leaf(k, path, shape, dtype, target, None, block_dim, cost)
 
 
-def mpmd_leaf(mesh: MpmdMesh, k: int, path: str, x: Any, target: Any) -> Leaf:
+def mpmd_leaf(mesh: MpmdMesh, k: int, path: str, x: Any, target: Any,
+              process_local: bool = False) -> Leaf:
+    """One mpmd -> spmd leaf (Note: SPMD layouts).
+
+    Raises:
+      ValueError: `x` is not an `MpmdArray` of `mesh`, is held by no group or deleted,
+        or the target does not fit it.
+    """
     what = f"mpmd_arrays{path if path != '<root>' else ''}"
     if not isinstance(x, MpmdArray):
         raise ValueError(f"{what}: expected an MpmdArray, got {type(x).__name__}")
     if x.mpmd_sharding.mpmd_mesh != mesh:
         raise ValueError(f"{what} lives on another mesh than {mesh!r}")
+    if not x.mpmd_sharding.mesh_ids:
+        raise ValueError(f"{what} is held by no group (an unused value): it has no data")
     if x.is_deleted():
         raise ValueError(f"{what} has been deleted (consumed by an earlier call?)")
     named = _named(target, mesh, f"spmd_shardings for {what}")
     shape = tuple(x.shape)
     local_shape, block_dim = shape, None
     axis = mesh.mpmd_axis_name
-    if axis in named.mesh.axis_names and not mesh.is_local:  # local: a global array
+    if process_local and axis in named.mesh.axis_names and not mesh.is_local:
         if named.mesh.shape[axis] != 1:
             raise ValueError(f"spmd_shardings for {what}: in MPI mode the MPMD axis of "
                              "the target mesh must have size 1")

@@ -6,6 +6,7 @@ themselves in `reshard/moves.py`.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -62,23 +63,29 @@ def _run_batches(mesh: MpmdMesh, xs: list[Any], tree: Any, leaves: list[Leaf],
 
 def spmd_to_mpmd_reshard(
     mpmd_mesh: MpmdMesh, spmd_arrays: PyTree, mpmd_shardings: PyTree,
-    threshold: int | None = None,
+    threshold: int | None = None, *, process_local: bool = False,
 ) -> PyTree:
     """Reshards a pytree of SPMD arrays to `MpmdArray`s (see Note: SPMD layouts).
 
     Args:
       mpmd_mesh: the mesh.
-      spmd_arrays: a pytree of arrays, each whole or this rank's block (Note: SPMD
-        layouts). They are consumed: deleted once moved (numpy inputs excepted).
+      spmd_arrays: a pytree of arrays, each the whole array (laid out over the MPMD
+        axis or not), or, with `process_local`, this rank's block where its spec
+        names the MPMD axis (Note: SPMD layouts). They are consumed: deleted once
+        moved (numpy inputs excepted).
       mpmd_shardings: a pytree of `MpmdSharding`s (or None: that leaf is returned
         unchanged, not consumed) with the structure of `spmd_arrays`, e.g.
-        `mpmd_jit_with_loop(...).compile(...).in_shardings`.
+        `mpmd_jit_with_loop(...).compile(...).in_shardings`. One held by no group (an
+        unused value) places its leaf on group 0, as JaxPP does.
       threshold: bound, in bytes, of the results one batch creates on a rank (Note:
         Reshard batches); None: a quarter of the free memory. The minimum over ranks
         is used.
+      process_local: MPI mode: an array whose spec names the MPMD axis is this rank's
+        block of a larger array, assembled from every rank's (Note: SPMD layouts).
 
     Returns:
-      A pytree of `MpmdArray`s like `spmd_arrays`; their specs do not name the MPMD axis.
+      A pytree of `MpmdArray`s like `spmd_arrays`; their specs do not name the MPMD
+      axis, their replicas lie on their groups' meshes with it (`sharding_for`).
 
     Raises:
       ValueError: on every rank, before any data moves, for mismatched structures,
@@ -86,14 +93,15 @@ def spmd_to_mpmd_reshard(
         different logical shapes or dtypes.
     """
     xs, tree, leaves, threshold = prepare(
-        mpmd_mesh, spmd_arrays, mpmd_shardings, threshold, spmd_leaf,
+        mpmd_mesh, spmd_arrays, mpmd_shardings, threshold,
+        functools.partial(spmd_leaf, process_local=process_local),
         lambda t: t is None or isinstance(t, MpmdSharding), ("spmd_arrays", "mpmd_shardings"))
     return _run_batches(mpmd_mesh, xs, tree, leaves, threshold, Mover.to_mpmd)
 
 
 def mpmd_to_spmd_reshard(
     mpmd_mesh: MpmdMesh, mpmd_arrays: PyTree, spmd_shardings: PyTree,
-    threshold: int | None = None,
+    threshold: int | None = None, *, process_local: bool = False,
 ) -> PyTree:
     """Reshards a pytree of `MpmdArray`s to SPMD arrays (see Note: SPMD layouts).
 
@@ -102,9 +110,10 @@ def mpmd_to_spmd_reshard(
       mpmd_arrays: a pytree of `MpmdArray`s on `mpmd_mesh`; consumed (deleted).
       spmd_shardings: a pytree like `mpmd_arrays` of targets: a `NamedSharding` on this
         process's devices, or a `PartitionSpec` over `spmd_mesh(mpmd_mesh)`'s axes (None
-        means `PartitionSpec()`). A target naming the MPMD axis gives, in MPI mode, this
-        rank's block; otherwise every rank gets the whole array.
+        means `PartitionSpec()`). Every rank gets the whole array.
       threshold: as for `spmd_to_mpmd_reshard`.
+      process_local: MPI mode: a target naming the MPMD axis gives this rank's block
+        of the array instead (Note: SPMD layouts).
 
     Returns:
       A pytree of `jax.Array`s like `mpmd_arrays`, laid out by `spmd_shardings`.
@@ -115,7 +124,8 @@ def mpmd_to_spmd_reshard(
         not fitting the shapes, or ranks disagreeing on shapes or placement.
     """
     xs, tree, leaves, threshold = prepare(
-        mpmd_mesh, mpmd_arrays, spmd_shardings, threshold, mpmd_leaf,
+        mpmd_mesh, mpmd_arrays, spmd_shardings, threshold,
+        functools.partial(mpmd_leaf, process_local=process_local),
         lambda t: t is None or isinstance(t, (PartitionSpec, NamedSharding)),
         ("mpmd_arrays", "spmd_shardings"))
     return _run_batches(mpmd_mesh, xs, tree, leaves, threshold, Mover.to_spmd)

@@ -52,7 +52,8 @@ def _parser() -> argparse.ArgumentParser:
         "task order, makespan, bubble fraction and peak in-flight activations.",
         epilog=f"schedules: {_CLASS_NAMES}. Example: {PROG} Std1F1B --stages 4 "
         "--microbatches 8 --png schedule.png; measured: "
-        f"{PROG} --from-trace trace.json --png measured.png",
+        f"{PROG} --from-trace trace.json --png measured.png; every schedule ranked for a "
+        f"step: {PROG} plan FILE.py:FUNCTION (see {PROG} plan --help)",
     )
     p.add_argument("schedule", nargs="?",
                    help="schedule name (omit with --from-csv or --from-trace)")
@@ -268,6 +269,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     Returns:
       The exit status: 0, or 2 on bad input (reported on one line on stderr).
     """
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["plan"]:  # the planner (imports JAX): jaxpp_mpi/_src/planner/cli.py
+        from jaxpp_mpi._src.planner.cli import main as plan_main
+
+        return plan_main(argv[1:])
     try:
         args = _parser().parse_args(argv)
         if args.from_trace:
