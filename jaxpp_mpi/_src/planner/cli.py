@@ -19,19 +19,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from jaxpp_mpi._src.errors import CompileError
+from jaxpp_mpi._src.schedules.cli import UsageError, _Parser  # the schedules CLI's own
 
 __all__ = ["main"]
 
 PROG = "python -m jaxpp_mpi.schedules plan"
-
-
-class UsageError(Exception):
-    """Bad command-line input; reported on one line with exit status 2."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise UsageError(message)
 
 
 def _parser() -> argparse.ArgumentParser:
