@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 from collections.abc import Mapping
 
@@ -94,16 +95,32 @@ class Options:
     shared_compiles: bool = True
 
 
+# The largest value each numeric variable takes (a bigger one is a typo, and a deadline
+# or grace period that never ends is a hang): 30 days for deadlines, 10 minutes for the
+# grace between a watchdog's report and the abort, 1 TiB for a replica bucket.
+_MAX_SECONDS = 30 * 24 * 3600.0
+_MAXIMA = {"JAXPP_MPI_WATCHDOG_GRACE": 600.0, "JAXPP_MPI_REPLICA_BUCKET_MB": float(1 << 20)}
+_UNITS = {"JAXPP_MPI_REPLICA_BUCKET_MB": "MiB"}
+
+
 def _float(env: Mapping[str, str], name: str, default: float) -> float:
+    """A finite number from 0 to the variable's maximum (`_MAXIMA`, else 30 days in
+    seconds), or `default` when unset or empty.
+
+    Raises:
+      ValueError: naming the variable, its value and the range it takes.
+    """
     raw = env.get(name, "").strip()
     if not raw:
         return default
+    top = _MAXIMA.get(name, _MAX_SECONDS)
+    unit = _UNITS.get(name, "seconds")
     try:
         value = float(raw)
     except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a number of seconds") from None
-    if value < 0:
-        raise ValueError(f"{name}={raw!r} must not be negative")
+        value = math.nan
+    if not (0 <= value <= top):  # also refuses nan and inf
+        raise ValueError(f"{name}={raw!r}: use a number of {unit} from 0 to {top:g}")
     return value
 
 
