@@ -121,7 +121,7 @@ def test_deadline_settings(env, enabled, seconds):
 def test_malformed_settings_name_the_variable():
     with pytest.raises(ValueError, match="JAXPP_MPI_DEADLINE='soon'"):
         parse_options({"JAXPP_MPI_DEADLINE": "soon"})
-    with pytest.raises(ValueError, match="JAXPP_MPI_WATCHDOG_FLOOR='-1': use a number of seconds from 0"):
+    with pytest.raises(ValueError, match="JAXPP_MPI_WATCHDOG_FLOOR='-1': use a number"):
         parse_options({"JAXPP_MPI_WATCHDOG_FLOOR": "-1"})
 
 
