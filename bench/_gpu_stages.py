@@ -88,7 +88,6 @@ def stage_part(args, clock: Clock, cfg, params, batch, compiler: Compiler,
     import jax
 
     from jaxpp_mpi._src.compiler.build import build_step
-    from jaxpp_mpi._src.compiler.split import dot_intensity
 
     n, device = args.num_microbatches, jax.devices()[0]
     structs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (params, batch))
@@ -102,8 +101,7 @@ def stage_part(args, clock: Clock, cfg, params, batch, compiler: Compiler,
         sched = schedule_by_name(name, 2)
         try:
             plans[name] = build_step(grad_step(bf16_loss(cfg, sched.num_stages), sched),
-                                     structs, sched.mpmd_dim,
-                                     dot_intensity=dot_intensity(device.platform))
+                                     structs, sched.mpmd_dim)
             thunks[name] = plan_executables(plans[name], device, compiler)
             if sched.num_stages not in refs:
                 refs[sched.num_stages] = submit_references(cfg, sched.num_stages, params,

@@ -57,7 +57,6 @@ from jaxpp_mpi._src.compiled import MpmdCompiled, is_step_check
 from jaxpp_mpi._src.compiler import replicas
 from jaxpp_mpi._src.compiler.build import StepPlan, build_step
 from jaxpp_mpi._src.compiler.fingerprint import step_texts
-from jaxpp_mpi._src.compiler.split import dot_intensity
 from jaxpp_mpi._src.errors import CompileError
 from jaxpp_mpi._src.ir.simulate import runtime_sends
 from jaxpp_mpi._src.mesh import MpmdMesh
@@ -291,8 +290,7 @@ class MpmdFunction:
                           num_replicas=mesh.num_replicas,
                           replica_bucket_bytes=config.options().replica_bucket_bytes,
                           replica_dims=replica_dims, arg_names=leaf_paths,
-                          task_times_ms=self._task_times_ms, sends=_runtime_sends(mesh),
-                          dot_intensity=dot_intensity(_platform(mesh)))
+                          task_times_ms=self._task_times_ms, sends=_runtime_sends(mesh))
         if out_specs is not None:
             out_paths = paths((jax.tree.unflatten(plan.out_tree, plan.output_avals),))
             for k, (spec, aval) in enumerate(zip(out_specs, plan.output_avals)):
@@ -437,20 +435,14 @@ def mpmd_jit_with_loop(
     return _wrap(fun, mpmd_mesh, **options)
 
 
-def _platform(mesh: MpmdMesh) -> str:
-    """The platform of this process's devices of `mesh` (JAX's default backend for a
-    submesh without them)."""
-    device = next(iter(mesh.jax_mesh.devices.flat), None)
-    return device.platform if device is not None else jax.default_backend()
-
-
 def _runtime_sends(mesh: MpmdMesh) -> str:
     """How this step's messages will be sent (`simulate.runtime_sends`): in MPI mode by
     the platform of this rank's devices; in local mode messages are device copies made
     in the rendezvous play's order (`Note: local order`), timed as blocking sends."""
     if mesh.is_local:
         return "blocking"
-    platform = _platform(mesh)
+    device = next(iter(mesh.jax_mesh.devices.flat), None)  # none: a submesh without us
+    platform = device.platform if device is not None else jax.default_backend()
     options = config.options()
     return runtime_sends(platform, options.posted_sends,
                          config.stages_messages(options, platform))

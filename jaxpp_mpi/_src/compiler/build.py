@@ -411,7 +411,6 @@ def build_step(
     arg_names: Sequence[str] | None = None,
     task_times_ms: Mapping[str, float] | None = None,
     sends: str = "blocking",
-    dot_intensity: float = 0.0,
 ) -> StepPlan:
     """Compiles `fun(*args)` into a StepPlan for `num_groups` MPMD groups.
 
@@ -435,8 +434,6 @@ def build_step(
         messages for them (`build_program_with_names`).
       sends: how the runtime sends ("blocking" or "posted", `simulate.runtime_sends`):
         the lowering times its candidate orders that way.
-      dot_intensity: matrix products backward tasks may recompute (`split.dot_intensity`
-        of the devices' platform; Note: recomputed residuals).
 
     Returns:
       The StepPlan.
@@ -452,7 +449,7 @@ def build_step(
     schedule, n = params["schedule"], params["num_microbatches"]
     _check_schedule(schedule, num_groups)
     split = split_body(params["body"], schedule.num_stages,
-                       partial_bwd=schedule.is_partial_bwd, dot_intensity=dot_intensity)
+                       partial_bwd=schedule.is_partial_bwd)
     num_consts = len(traced.consts)
     shares: dict[int, tuple[int, ...]] = {}
     if replica_dims is not None and any(d is not None for d in replica_dims):

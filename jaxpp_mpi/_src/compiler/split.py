@@ -38,13 +38,8 @@ Note: recomputed residuals.
   (with the eqn's other results that are residuals too).
   Residuals are taken largest first, until nothing changes. Typical wins: a broadcast
   causal mask, a softmax's exp and its bf16 copy, a layer norm's centred values, a
-  GELU's tanh. On GPUs (`dot_intensity`, from the platform: `DOT_INTENSITY`) a matrix
-  product of few FLOPs per byte it writes is cheap too: an attention's scores (64 FLOPs
-  per byte at 64-wide heads) are recomputed from the queries and keys the backward reads
-  anyway, while a weight product (hundreds per byte) stays a residual; a GPU does some
-  hundreds of FLOPs in the time it moves a byte, and the residual would be written and
-  read. The forward task still computes those values for itself; only what crosses to
-  the backward task shrinks. The values are the same: every copied eqn is
+  GELU's tanh. The forward task still computes those values for itself; only what
+  crosses to the backward task shrinks. The values are the same: every copied eqn is
   deterministic and sees the same operands.
 """
 
@@ -265,28 +260,9 @@ _CHEAP = frozenset({
 })
 _CALLS = ("pjit", "jit", "closed_call")
 _RECOMPUTE_DEPTH = 8
-# Note: recomputed residuals. FLOPs per byte of its result under which a matrix product
-# is recomputed rather than kept, per platform (a CPU core moves bytes about as fast as it
-# multiplies: none there).
-DOT_INTENSITY = {"gpu": 150.0, "cuda": 150.0, "rocm": 150.0}
 
 
-def dot_intensity(platform: str) -> float:
-    """`split_body`'s `dot_intensity` for devices of `platform` (`DOT_INTENSITY`)."""
-    return DOT_INTENSITY.get(platform, 0.0)
-
-
-def _dot_flops_per_byte(eqn) -> float:
-    lhs = eqn.invars[0].aval.shape
-    (contract, _), _ = eqn.params["dimension_numbers"]
-    out = eqn.outvars[0]
-    depth = 1
-    for d in contract:
-        depth *= int(lhs[d])
-    return 2.0 * depth / max(1, out.aval.dtype.itemsize)
-
-
-def _cheap(eqn, dot_intensity: float = 0.0) -> bool:
+def _cheap(eqn) -> bool:
     """Whether `eqn` may run again in a backward task (Note: recomputed residuals)."""
     if eqn.effects:
         return False
@@ -294,9 +270,7 @@ def _cheap(eqn, dot_intensity: float = 0.0) -> bool:
     if name in _CALLS:
         inner = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr")
         inner = getattr(inner, "jaxpr", inner)
-        return inner is not None and all(_cheap(e, dot_intensity) for e in inner.eqns)
-    if name == "dot_general":
-        return dot_intensity > 0 and _dot_flops_per_byte(eqn) <= dot_intensity
+        return inner is not None and all(_cheap(e) for e in inner.eqns)
     return name in _CHEAP
 
 
@@ -308,7 +282,7 @@ def _nbytes(v) -> int:
     return size * getattr(getattr(aval, "dtype", None), "itemsize", 4)
 
 
-def _recompute(eqns, where, dot_intensity: float = 0.0) -> list[set[TaskKey]]:
+def _recompute(eqns, where) -> list[set[TaskKey]]:
     """Per eqn, the backward tasks that also run it (Note: recomputed residuals)."""
     producer = {v: k for k, e in enumerate(eqns) for v in e.outvars}
     copies: list[set[TaskKey]] = [set() for _ in eqns]
@@ -322,7 +296,7 @@ def _recompute(eqns, where, dot_intensity: float = 0.0) -> list[set[TaskKey]]:
             if p is not None and where[p] is not None and where[p][0] == FWD:
                 reads.setdefault(key, set()).add(v)
     for key, needed in reads.items():
-        _Residuals(eqns, where, producer, copies, key, needed, dot_intensity).shrink()
+        _Residuals(eqns, where, producer, copies, key, needed).shrink()
     return copies
 
 
@@ -334,10 +308,8 @@ class _Residuals:
       computed: the values the task computes itself (outputs of eqns copied into it).
     """
 
-    def __init__(self, eqns, where, producer, copies, key: TaskKey, needed: set,
-                 dot_intensity: float = 0.0):
+    def __init__(self, eqns, where, producer, copies, key: TaskKey, needed: set):
         self.eqns, self.where, self.producer, self.copies = eqns, where, producer, copies
-        self.dot_intensity = dot_intensity
         self.key, self.stage = key, key[1]
         self.needed, self.computed = needed, set()
         self._memo: dict = {}
@@ -346,7 +318,7 @@ class _Residuals:
         """The producing eqn of `v` if the task may run it again, else None."""
         p = self.producer.get(v)
         if (p is None or depth <= 0 or self.where[p] != (FWD, self.stage)
-                or not _cheap(self.eqns[p], self.dot_intensity)):
+                or not _cheap(self.eqns[p])):
             return None
         return p
 
@@ -412,7 +384,7 @@ class _Residuals:
 
 def split_body(
     body: jex_core.ClosedJaxpr, num_stages: int, *, partial_bwd: bool = False,
-    recompute: bool = True, dot_intensity: float = 0.0,
+    recompute: bool = True,
 ) -> SplitBody:
     """Splits a treduce body into stage tasks (see Note: stage assignment).
 
@@ -421,8 +393,6 @@ def split_body(
       num_stages: the schedule's number of stages.
       partial_bwd: split BWD into BWD_I + BWD_W (zero-bubble schedules).
       recompute: backward tasks recompute cheap residuals (Note: recomputed residuals).
-      dot_intensity: matrix products of at most this many FLOPs per byte of result count
-        as cheap (0: none; `dot_intensity(platform)`).
 
     Returns:
       The SplitBody.
@@ -442,7 +412,7 @@ def split_body(
     _sink(eqns, where, jaxpr.outvars)
     if partial_bwd:
         _split_partial_bwd(eqns, where)
-    copies = _recompute(eqns, where, dot_intensity) if recompute else None
+    copies = _recompute(eqns, where) if recompute else None
     return _build_tasks(jaxpr, eqns, where, num_stages, copies)
 
 
