@@ -264,7 +264,8 @@ def mpi_mode(args) -> dict[str, Any] | None:
     from jaxpp_mpi._src import config
     from jaxpp_mpi._src.ir.simulate import verify
     from jaxpp_mpi._src.mpi import chains, collectives
-    from jaxpp_mpi._src.runtime.mpi import MpiExecutor, ShardPlan, _Messenger
+    from jaxpp_mpi._src.runtime.mpi import MpiExecutor
+    from jaxpp_mpi._src.runtime.shards import Messenger, ShardPlan
 
     k = args.count
     comm = collectives.world_dup()  # barriers and the mpi4py references
@@ -289,7 +290,7 @@ def mpi_mode(args) -> dict[str, Any] | None:
                                                     posted_sends=posting))
               for name, (staging, posting) in PATHS.items()}
     staged = msg_ex["staged"]._sends is not None  # needs MPI_THREAD_MULTIPLE
-    messenger = _Messenger(chain_comm)
+    messenger = Messenger(chain_comm)
     plan = ShardPlan(VALUE, sharding)
     (_, send_chain), (_, recv_chain) = messenger.send(plan, 0, peer), messenger.recv(plan, 0, peer)
     chain = chains.Chain(device)

@@ -4,7 +4,7 @@ Run with 2 ranks:  launch/jpprun -n 2 python bench/p2p.py --out bench/results/p2
 
 All sides ping-pong the same bytes between rank 0 and rank 1 in the same run, taking
 turns rep by rep (so a noisy neighbour hurts all alike):
-- `jaxpp_mpi`: the MPI executor's message chains (`_Messenger` of runtime/mpi.py, see
+- `jaxpp_mpi`: the MPI executor's message chains (`Messenger` of runtime/shards.py, see
   `Note: message chains`): jitted mpi4jax FFI calls ordered by an order array;
 - `mpi4jax_effect`: jitted `mpi4jax.send` / `mpi4jax.recv` with their ordered effect
   (the runtime's previous path, kept for comparison);
@@ -44,7 +44,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxpp_mpi._src.ir.program import Aval
 from jaxpp_mpi._src.mpi import chains, collectives
 from jaxpp_mpi._src.mpi.heap import tune_heap
-from jaxpp_mpi._src.runtime.mpi import ShardPlan, _Messenger
+from jaxpp_mpi._src.runtime.shards import Messenger, ShardPlan
 
 SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 
@@ -65,7 +65,7 @@ def bench_size(comm, nbytes: int, reps: int, paths: tuple[str, ...] | None = Non
 
     mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
     plan = ShardPlan(Aval((n,), "float32"), NamedSharding(mesh, PartitionSpec()))
-    messenger = _Messenger(comm)
+    messenger = Messenger(comm)
     chain = chains.Chain(jax.devices()[0])
     (_, send), (_, recv) = messenger.send(plan, 0, peer), messenger.recv(plan, 0, peer)
 
@@ -152,7 +152,7 @@ def bench_gpu_size(comm, nbytes: int, reps: int, device_mpi: bool) -> dict:
     x = jax.device_put(np.arange(n, dtype=np.float32), device)
     mesh = jax.make_mesh((1,), ("data",), devices=[device])
     plan = ShardPlan(Aval((n,), "float32"), NamedSharding(mesh, PartitionSpec()))
-    messenger = _Messenger(comm)
+    messenger = Messenger(comm)
     chain = chains.Chain(device)
     (_, send), (_, recv) = messenger.send(plan, 0, peer), messenger.recv(plan, 0, peer)
     copy = jax.jit(jnp.copy)
