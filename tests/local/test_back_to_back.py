@@ -112,9 +112,9 @@ def test_fused_matches_apart_bit_for_bit_and_jit(name, monkeypatch):
     got = run_steps(fused, *state(), steps=2)
     assert assert_close_to_reference(reference, got) == len(jax.tree.leaves(reference))
     # Bit for bit, the backward tasks read every residual as the forward task made it: a
-    # recomputed one (Note: recomputed residuals in compiler/split.py) may differ from
+    # recomputed one (Note: recomputed residuals in compiler/recompute.py) may differ from
     # the fused executable's in the last bit, as XLA fuses it differently.
-    monkeypatch.setattr(split, "_recompute", lambda eqns, where: [set() for _ in eqns])
+    monkeypatch.setattr(split, "recompute_residuals", lambda eqns, where: [set() for _ in eqns])
     fused = jp.mpmd_jit_with_loop(step, mpmd_mesh=mesh).compile(*state())
     got = run_steps(fused, *state(), steps=2)
     with monkeypatch.context() as m:

@@ -1,4 +1,4 @@
-"""Backward tasks recompute cheap residuals (`Note: recomputed residuals` in split.py).
+"""Backward tasks recompute cheap residuals (`Note: recomputed residuals` in compiler/recompute.py).
 
 Structural: what crosses from a stage's forward task to its backward task, with and
 without the pass. Results against jax.jit are the parity tests' (tests/local,
