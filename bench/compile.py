@@ -149,16 +149,18 @@ class Probe:
     def installed(self) -> Iterator[Probe]:
         import jax.stages
 
-        from jaxpp_mpi._src import agree, api, compiled
         from jaxpp_mpi._src.compiler import build as build_mod
         from jaxpp_mpi._src.compiler import deferred
+        from jaxpp_mpi._src.driver import compiled
+        from jaxpp_mpi._src.frontend import api
+        from jaxpp_mpi._src.runtime import agree
 
         self._wrap(build_mod, "trace_step", "trace")
         self._wrap(api, "build_step", "plan")
         self._wrap(agree, "agree_on_program", "agree")
         self._wrap(compiled.MpmdCompiled, "_make_executor", "executor")
         try:  # group_compiler.py; compiled.py in older trees (the baseline)
-            from jaxpp_mpi._src import group_compiler as passes
+            from jaxpp_mpi._src.driver import group_compiler as passes
             owner = passes.GroupCompiler
             names = ("infer_layouts", "_compile_group")
         except ImportError:
@@ -168,7 +170,7 @@ class Probe:
         self._wrap(owner, names[1], "compile_group")
         self._wrap(passes, "compile_exe", "compile_exe")
         try:  # Note: shared compiles (absent in older trees)
-            from jaxpp_mpi._src import shared_compiles
+            from jaxpp_mpi._src.driver import shared_compiles
             self._wrap(shared_compiles, "compile_lowered", "compile_exe")
         except ImportError:
             pass

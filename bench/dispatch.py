@@ -261,7 +261,7 @@ def mpi_mode(args) -> dict[str, Any] | None:
     from jax.sharding import NamedSharding, PartitionSpec
     from mpi4py import MPI
 
-    from jaxpp_mpi._src import config
+    from jaxpp_mpi._src.base import config
     from jaxpp_mpi._src.ir.simulate import verify
     from jaxpp_mpi._src.mpi import chains, collectives
     from jaxpp_mpi._src.runtime.mpi import MpiExecutor

@@ -444,7 +444,7 @@ def main() -> None:
     from mpi4py import MPI
 
     import jaxpp_mpi
-    from jaxpp_mpi._src import config
+    from jaxpp_mpi._src.base import config
     from jaxpp_mpi._src.compiler.build import build_step
 
     world = MPI.COMM_WORLD

@@ -308,8 +308,7 @@ def chained_compile(step, mesh, *args):
     import dataclasses
 
     import jaxpp_mpi
-    from jaxpp_mpi._src import config
-
+    from jaxpp_mpi._src.base import config
     blocking = dataclasses.replace(config.options(), posted_sends=False)
     real = config.options
     config.options = lambda: blocking
@@ -378,7 +377,7 @@ def main() -> None:
     from mpi4py import MPI
 
     import jaxpp_mpi
-    from jaxpp_mpi._src.group_compiler import flops
+    from jaxpp_mpi._src.driver.group_compiler import flops
     from jaxpp_mpi._src.ir.program import Aval
     from jaxpp_mpi._src.ir.simulate import simulate
 

@@ -111,7 +111,7 @@ def main() -> None:
 
     from jaxpp_mpi._src.compiler.build import build_step
     from jaxpp_mpi._src.compiler.loop_tasks import first_from_plain
-    from jaxpp_mpi._src.group_compiler import flops
+    from jaxpp_mpi._src.driver.group_compiler import flops
     from jaxpp_mpi._src.ir.program import Run
 
     n = args.num_microbatches

@@ -17,26 +17,26 @@ _apply_auto_settings()
 
 # public name -> private module under jaxpp_mpi._src
 _EXPORTS = {
-    "MpmdCompiled": "compiled",
-    "MpmdFunction": "api",
-    "mpmd_jit_with_loop": "api",
-    "mpmd_jit_by_yield": "by_yield",
-    "cross_mpmd_all_reduce": "cross_mpmd",
-    "cross_mpmd_stack": "cross_mpmd",
-    "place_with": "cross_mpmd",
-    "MpmdArray": "array",
-    "MpmdSharding": "array",
-    "CompileError": "errors",
-    "MpmdMesh": "mesh",
-    "make_mpmd_mesh": "make_mesh",
+    "MpmdCompiled": "driver.compiled",
+    "MpmdFunction": "frontend.api",
+    "mpmd_jit_with_loop": "frontend.api",
+    "mpmd_jit_by_yield": "frontend.by_yield",
+    "cross_mpmd_all_reduce": "primitives.cross_mpmd",
+    "cross_mpmd_stack": "primitives.cross_mpmd",
+    "place_with": "primitives.cross_mpmd",
+    "MpmdArray": "arrays.array",
+    "MpmdSharding": "arrays.sharding",
+    "CompileError": "base.errors",
+    "MpmdMesh": "arrays.mesh",
+    "make_mpmd_mesh": "arrays.make_mesh",
     "collect_task_times_ms": "timeline.timing",
     "PreemptionGuard": "runtime.preemption",
     "Plan": "planner.ranking",
     "format_plans": "planner.ranking",
     "plan_schedules": "planner.plan",
     "mpmd_init": "reshard.init",
-    "mark_stage_end": "stage_marks",
-    "pipeline_enter_stage": "stage_marks",
+    "mark_stage_end": "primitives.stage_marks",
+    "pipeline_enter_stage": "primitives.stage_marks",
     "mpmd_to_spmd_reshard": "reshard.reshard",
     "spmd_to_mpmd_reshard": "reshard.reshard",
     "ScheduleError": "schedules.check",
@@ -50,12 +50,12 @@ _EXPORTS = {
     "KimiK2": "schedules.library",
     "Std1F1B": "schedules.library",
     "ZeroBubble": "schedules.library",
-    "Add": "treduce",
-    "Concat": "treduce",
-    "Max": "treduce",
-    "Op": "treduce",
-    "treduce": "treduce",
-    "treduce_i": "treduce",
+    "Add": "primitives.treduce",
+    "Concat": "primitives.treduce",
+    "Max": "primitives.treduce",
+    "Op": "primitives.treduce",
+    "treduce": "primitives.treduce",
+    "treduce_i": "primitives.treduce",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -81,21 +81,29 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # what static tools see; the same names as _EXPORTS
-    from jaxpp_mpi._src.api import MpmdFunction as MpmdFunction
-    from jaxpp_mpi._src.api import mpmd_jit_with_loop as mpmd_jit_with_loop
-    from jaxpp_mpi._src.array import MpmdArray as MpmdArray
-    from jaxpp_mpi._src.array import MpmdSharding as MpmdSharding
-    from jaxpp_mpi._src.by_yield import mpmd_jit_by_yield as mpmd_jit_by_yield
-    from jaxpp_mpi._src.compiled import MpmdCompiled as MpmdCompiled
-    from jaxpp_mpi._src.cross_mpmd import cross_mpmd_all_reduce as cross_mpmd_all_reduce
-    from jaxpp_mpi._src.cross_mpmd import cross_mpmd_stack as cross_mpmd_stack
-    from jaxpp_mpi._src.cross_mpmd import place_with as place_with
-    from jaxpp_mpi._src.errors import CompileError as CompileError
-    from jaxpp_mpi._src.make_mesh import make_mpmd_mesh as make_mpmd_mesh
-    from jaxpp_mpi._src.mesh import MpmdMesh as MpmdMesh
+    from jaxpp_mpi._src.arrays.array import MpmdArray as MpmdArray
+    from jaxpp_mpi._src.arrays.make_mesh import make_mpmd_mesh as make_mpmd_mesh
+    from jaxpp_mpi._src.arrays.mesh import MpmdMesh as MpmdMesh
+    from jaxpp_mpi._src.arrays.sharding import MpmdSharding as MpmdSharding
+    from jaxpp_mpi._src.base.errors import CompileError as CompileError
+    from jaxpp_mpi._src.driver.compiled import MpmdCompiled as MpmdCompiled
+    from jaxpp_mpi._src.frontend.api import MpmdFunction as MpmdFunction
+    from jaxpp_mpi._src.frontend.api import mpmd_jit_with_loop as mpmd_jit_with_loop
+    from jaxpp_mpi._src.frontend.by_yield import mpmd_jit_by_yield as mpmd_jit_by_yield
     from jaxpp_mpi._src.planner.plan import plan_schedules as plan_schedules
     from jaxpp_mpi._src.planner.ranking import Plan as Plan
     from jaxpp_mpi._src.planner.ranking import format_plans as format_plans
+    from jaxpp_mpi._src.primitives.cross_mpmd import cross_mpmd_all_reduce as cross_mpmd_all_reduce
+    from jaxpp_mpi._src.primitives.cross_mpmd import cross_mpmd_stack as cross_mpmd_stack
+    from jaxpp_mpi._src.primitives.cross_mpmd import place_with as place_with
+    from jaxpp_mpi._src.primitives.stage_marks import mark_stage_end as mark_stage_end
+    from jaxpp_mpi._src.primitives.stage_marks import pipeline_enter_stage as pipeline_enter_stage
+    from jaxpp_mpi._src.primitives.treduce import Add as Add
+    from jaxpp_mpi._src.primitives.treduce import Concat as Concat
+    from jaxpp_mpi._src.primitives.treduce import Max as Max
+    from jaxpp_mpi._src.primitives.treduce import Op as Op
+    from jaxpp_mpi._src.primitives.treduce import treduce as treduce
+    from jaxpp_mpi._src.primitives.treduce import treduce_i as treduce_i
     from jaxpp_mpi._src.reshard.init import mpmd_init as mpmd_init
     from jaxpp_mpi._src.reshard.reshard import mpmd_to_spmd_reshard as mpmd_to_spmd_reshard
     from jaxpp_mpi._src.reshard.reshard import spmd_to_mpmd_reshard as spmd_to_mpmd_reshard
@@ -113,12 +121,4 @@ if TYPE_CHECKING:  # what static tools see; the same names as _EXPORTS
     from jaxpp_mpi._src.schedules.library import KimiK2 as KimiK2
     from jaxpp_mpi._src.schedules.library import Std1F1B as Std1F1B
     from jaxpp_mpi._src.schedules.library import ZeroBubble as ZeroBubble
-    from jaxpp_mpi._src.stage_marks import mark_stage_end as mark_stage_end
-    from jaxpp_mpi._src.stage_marks import pipeline_enter_stage as pipeline_enter_stage
     from jaxpp_mpi._src.timeline.timing import collect_task_times_ms as collect_task_times_ms
-    from jaxpp_mpi._src.treduce import Add as Add
-    from jaxpp_mpi._src.treduce import Concat as Concat
-    from jaxpp_mpi._src.treduce import Max as Max
-    from jaxpp_mpi._src.treduce import Op as Op
-    from jaxpp_mpi._src.treduce import treduce as treduce
-    from jaxpp_mpi._src.treduce import treduce_i as treduce_i

@@ -6,15 +6,22 @@ the one line a port changes besides the import (the mesh line). docs/porting-fro
 lists the names JaxPP's module has and this one does not, and why.
 """
 
-from jaxpp_mpi._src.api import mpmd_jit_with_loop as mpmd_jit_with_loop
-from jaxpp_mpi._src.array import MpmdArray as MpmdArray
-from jaxpp_mpi._src.array import MpmdSharding as MpmdSharding
-from jaxpp_mpi._src.by_yield import mpmd_jit_by_yield as mpmd_jit_by_yield
-from jaxpp_mpi._src.cross_mpmd import cross_mpmd_all_reduce as cross_mpmd_all_reduce
-from jaxpp_mpi._src.cross_mpmd import cross_mpmd_stack as cross_mpmd_stack
-from jaxpp_mpi._src.cross_mpmd import place_with as place_with
-from jaxpp_mpi._src.make_mesh import make_mpmd_mesh as make_mpmd_mesh
-from jaxpp_mpi._src.mesh import MpmdMesh as MpmdMesh
+from jaxpp_mpi._src.arrays.array import MpmdArray as MpmdArray
+from jaxpp_mpi._src.arrays.make_mesh import make_mpmd_mesh as make_mpmd_mesh
+from jaxpp_mpi._src.arrays.mesh import MpmdMesh as MpmdMesh
+from jaxpp_mpi._src.arrays.sharding import MpmdSharding as MpmdSharding
+from jaxpp_mpi._src.frontend.api import mpmd_jit_with_loop as mpmd_jit_with_loop
+from jaxpp_mpi._src.frontend.by_yield import mpmd_jit_by_yield as mpmd_jit_by_yield
+from jaxpp_mpi._src.primitives.cross_mpmd import cross_mpmd_all_reduce as cross_mpmd_all_reduce
+from jaxpp_mpi._src.primitives.cross_mpmd import cross_mpmd_stack as cross_mpmd_stack
+from jaxpp_mpi._src.primitives.cross_mpmd import place_with as place_with
+from jaxpp_mpi._src.primitives.stage_marks import mark_stage_end as mark_stage_end
+from jaxpp_mpi._src.primitives.stage_marks import pipeline_enter_stage as pipeline_enter_stage
+from jaxpp_mpi._src.primitives.treduce import Add as Add
+from jaxpp_mpi._src.primitives.treduce import Concat as Concat
+from jaxpp_mpi._src.primitives.treduce import Max as Max
+from jaxpp_mpi._src.primitives.treduce import treduce as treduce
+from jaxpp_mpi._src.primitives.treduce import treduce_i as treduce_i
 from jaxpp_mpi._src.reshard.reshard import mpmd_to_spmd_reshard as mpmd_to_spmd_reshard
 from jaxpp_mpi._src.reshard.reshard import spmd_to_mpmd_reshard as spmd_to_mpmd_reshard
 from jaxpp_mpi._src.schedules.library import BaseSchedule as BaseSchedule
@@ -24,14 +31,7 @@ from jaxpp_mpi._src.schedules.library import Interleaved1F1B as Interleaved1F1B
 from jaxpp_mpi._src.schedules.library import KimiK2 as KimiK2
 from jaxpp_mpi._src.schedules.library import Std1F1B as Std1F1B
 from jaxpp_mpi._src.schedules.library import ZeroBubble as ZeroBubble
-from jaxpp_mpi._src.stage_marks import mark_stage_end as mark_stage_end
-from jaxpp_mpi._src.stage_marks import pipeline_enter_stage as pipeline_enter_stage
 from jaxpp_mpi._src.timeline.timing import collect_task_times_ms as collect_task_times_ms
-from jaxpp_mpi._src.treduce import Add as Add
-from jaxpp_mpi._src.treduce import Concat as Concat
-from jaxpp_mpi._src.treduce import Max as Max
-from jaxpp_mpi._src.treduce import treduce as treduce
-from jaxpp_mpi._src.treduce import treduce_i as treduce_i
 
 __all__ = [
     "Add",

@@ -18,7 +18,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jaxpp_mpi
-from jaxpp_mpi._src.array import MpmdArray, MpmdSharding
+from jaxpp_mpi._src.arrays.array import MpmdArray
+from jaxpp_mpi._src.arrays.sharding import MpmdSharding
 
 GROUPS, MICROBATCHES = 2, 4
 RTOL, ATOL = 1e-5, 1e-6

@@ -16,9 +16,9 @@ import pytest
 from models import assert_tree_close, mlp
 
 import jaxpp_mpi as jp
-from jaxpp_mpi._src.by_yield import StagesInOrder, mpmd_jit_by_yield
-from jaxpp_mpi._src.cross_mpmd import cross_mpmd_all_reduce
+from jaxpp_mpi._src.frontend.by_yield import StagesInOrder, mpmd_jit_by_yield
 from jaxpp_mpi._src.ir.program import Run
+from jaxpp_mpi._src.primitives.cross_mpmd import cross_mpmd_all_reduce
 
 RTOL = 1e-6
 TASK_RE = re.compile(r"([FBIW])(\d+)s(\d+)")

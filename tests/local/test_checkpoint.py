@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxpp_mpi as jp
 from jaxpp_mpi import checkpoint as ck
-from jaxpp_mpi._src.array import mpmd_array_from_local
+from jaxpp_mpi._src.arrays.array import mpmd_array_from_local
 from jaxpp_mpi._src.checkpoint import format as checkpoint_format
 from jaxpp_mpi._src.reshard.cli import destination_manifest
 

@@ -12,7 +12,7 @@ import jax
 from models import assert_close_to_reference, make_step, mlp, run_steps, schedule
 
 import jaxpp_mpi as jp
-from jaxpp_mpi._src import group_compiler as compiler_module
+from jaxpp_mpi._src.driver import group_compiler as compiler_module
 
 
 def test_first_variants_get_no_compile_of_their_own(monkeypatch):

@@ -217,8 +217,8 @@ def test_each_executable_is_compiled_once(monkeypatch):
     reduction`): none is compiled again afterwards."""
     from collections import Counter
 
-    from jaxpp_mpi._src import group_compiler
     from jaxpp_mpi._src.compiler import deferred
+    from jaxpp_mpi._src.driver import group_compiler
 
     counts: Counter = Counter()
 

@@ -29,8 +29,8 @@ from models import (
 )
 
 import jaxpp_mpi as jp
-from jaxpp_mpi._src.errors import CompileError
-from jaxpp_mpi._src.retarget import group_mesh, retarget_jaxpr, trace_mesh
+from jaxpp_mpi._src.base.errors import CompileError
+from jaxpp_mpi._src.compiler.retarget import group_mesh, retarget_jaxpr, trace_mesh
 
 ROWS, WIDTH = 4, 16  # per microbatch; "data" splits the rows in two
 AXES = ("stage", "data")

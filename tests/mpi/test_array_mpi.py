@@ -17,7 +17,8 @@ from jax.sharding import PartitionSpec as P
 from mpi4py import MPI
 
 import jaxpp_mpi
-from jaxpp_mpi._src.array import MpmdArray, MpmdSharding
+from jaxpp_mpi._src.arrays.array import MpmdArray
+from jaxpp_mpi._src.arrays.sharding import MpmdSharding
 
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.rank, WORLD.size

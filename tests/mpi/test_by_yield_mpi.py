@@ -13,8 +13,8 @@ from models import held_values, mlp
 from mpi4py import MPI
 
 import jaxpp_mpi
-from jaxpp_mpi._src.by_yield import mpmd_jit_by_yield
-from jaxpp_mpi._src.cross_mpmd import cross_mpmd_all_reduce
+from jaxpp_mpi._src.frontend.by_yield import mpmd_jit_by_yield
+from jaxpp_mpi._src.primitives.cross_mpmd import cross_mpmd_all_reduce
 
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.rank, WORLD.size

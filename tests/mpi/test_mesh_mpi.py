@@ -15,9 +15,10 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from mpi4py import MPI
 
-from jaxpp_mpi._src.array import MpmdArray, MpmdSharding, mpmd_array_from_local
-from jaxpp_mpi._src.make_mesh import make_mpmd_mesh
-from jaxpp_mpi._src.mesh import MpmdMesh
+from jaxpp_mpi._src.arrays.array import MpmdArray, mpmd_array_from_local
+from jaxpp_mpi._src.arrays.make_mesh import make_mpmd_mesh
+from jaxpp_mpi._src.arrays.mesh import MpmdMesh
+from jaxpp_mpi._src.arrays.sharding import MpmdSharding
 
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.rank, WORLD.size
@@ -179,7 +180,7 @@ def test_array_addressability(mesh, owners):
 
 @pytest.mark.mpi(min_size=2)
 def test_a_cuda_mpi_problem_on_one_rank_raises_on_every_rank(monkeypatch):
-    import jaxpp_mpi._src.make_mesh as make_mesh_mod
+    import jaxpp_mpi._src.arrays.make_mesh as make_mesh_mod
 
     problem = "MPI4JAX_USE_CUDA_MPI=1 makes mpi4jax hand GPU buffers to MPI"
     monkeypatch.setattr(make_mesh_mod, "cuda_mpi_problem",

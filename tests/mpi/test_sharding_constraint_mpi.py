@@ -27,7 +27,7 @@ from models import (
 from mpi4py import MPI
 
 import jaxpp_mpi
-from jaxpp_mpi._src.errors import CompileError
+from jaxpp_mpi._src.base.errors import CompileError
 
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.rank, WORLD.size

@@ -15,7 +15,7 @@ from models import assert_close_to_reference, held_values, mlp, schedule
 from mpi4py import MPI
 
 import jaxpp_mpi
-from jaxpp_mpi._src import config
+from jaxpp_mpi._src.base import config
 
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.rank, WORLD.size

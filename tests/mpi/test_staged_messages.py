@@ -24,7 +24,7 @@ from mpi4py import MPI
 
 import jaxpp_mpi
 import jaxpp_mpi.trace
-from jaxpp_mpi._src import config
+from jaxpp_mpi._src.base import config
 from jaxpp_mpi._src.ir.program import (
     Aval,
     Free,

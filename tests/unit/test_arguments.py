@@ -11,7 +11,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxpp_mpi
-from jaxpp_mpi._src.arguments import (
+from jaxpp_mpi._src.arrays.sharding import MpmdSharding, without_axis
+from jaxpp_mpi._src.driver.arguments import (
     paths,
     resolve_argnums,
     signature,
@@ -19,7 +20,6 @@ from jaxpp_mpi._src.arguments import (
     split_call,
     static_lines,
 )
-from jaxpp_mpi._src.array import MpmdSharding, without_axis
 
 
 def step(params, scale, *, batch, lr=0.1):  # the signature only: nothing traces it

@@ -12,8 +12,9 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpp_mpi import make_mpmd_mesh
-from jaxpp_mpi._src.array import MpmdArray, MpmdSharding, mpmd_array_from_local
-from jaxpp_mpi._src.mesh import MpmdMesh
+from jaxpp_mpi._src.arrays.array import MpmdArray, mpmd_array_from_local
+from jaxpp_mpi._src.arrays.mesh import MpmdMesh
+from jaxpp_mpi._src.arrays.sharding import MpmdSharding
 
 
 class FakeComm:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from jaxpp_mpi._src.config import parse_options
+from jaxpp_mpi._src.base.config import parse_options
 
 NUMERIC = ["JAXPP_MPI_STEP_TIMEOUT", "JAXPP_MPI_WATCHDOG_FLOOR", "JAXPP_MPI_WATCHDOG_GRACE",
            "JAXPP_MPI_DEADLINE", "JAXPP_MPI_REPLICA_BUCKET_MB"]

@@ -15,9 +15,10 @@ from jax.sharding import PartitionSpec as P
 from thread_comm import on_thread_ranks
 
 import jaxpp_mpi
-from jaxpp_mpi._src import fetch
-from jaxpp_mpi._src.array import MpmdArray, MpmdSharding, mpmd_array_from_local
-from jaxpp_mpi._src.mesh import MpmdMesh
+from jaxpp_mpi._src.arrays.array import MpmdArray, mpmd_array_from_local
+from jaxpp_mpi._src.arrays.mesh import MpmdMesh
+from jaxpp_mpi._src.arrays.sharding import MpmdSharding
+from jaxpp_mpi._src.driver import fetch
 
 VALUE = np.arange(12, dtype=np.float32).reshape(4, 3)
 

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractMesh, AxisType, Mesh
 
-from jaxpp_mpi._src import mesh as mesh_mod
+from jaxpp_mpi._src.arrays import mesh as mesh_mod
+from jaxpp_mpi._src.arrays.make_mesh import make_mpmd_mesh
+from jaxpp_mpi._src.arrays.mesh import MpmdMesh
 from jaxpp_mpi._src.launch.env import WORLD_SIZE_VARS
-from jaxpp_mpi._src.make_mesh import make_mpmd_mesh
-from jaxpp_mpi._src.mesh import MpmdMesh
 
 
 @dataclasses.dataclass(frozen=True)
@@ -432,7 +432,7 @@ def test_local_mode_does_not_import_mpi(tmp_path):
 
     code = (
         "import sys\n"
-        "from jaxpp_mpi._src.make_mesh import make_mpmd_mesh\n"
+        "from jaxpp_mpi._src.arrays.make_mesh import make_mpmd_mesh\n"
         "mm = make_mpmd_mesh((4, 2), ('stage', 'data'), 'stage')\n"
         "assert mm.is_local, mm\n"
         "assert not any(m.startswith('mpi4py') for m in sys.modules), 'mpi4py imported'\n"
@@ -450,7 +450,7 @@ def test_local_mode_does_not_import_mpi(tmp_path):
 # (the decision itself: tests/unit/test_cuda_mpi.py)
 
 def test_make_mpmd_mesh_refuses_gpu_buffers_for_an_mpi_without_cuda(monkeypatch):
-    import jaxpp_mpi._src.make_mesh as make_mesh_mod
+    import jaxpp_mpi._src.arrays.make_mesh as make_mesh_mod
 
     seen = []
     monkeypatch.setattr(make_mesh_mod, "cuda_mpi_problem",

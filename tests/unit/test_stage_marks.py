@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpp_mpi._src import stage_marks as primitives
-from jaxpp_mpi._src.stage_marks import mark_stage_end, pipeline_enter_stage, stage_end_p
+from jaxpp_mpi._src.primitives import stage_marks as primitives
+from jaxpp_mpi._src.primitives.stage_marks import mark_stage_end, pipeline_enter_stage, stage_end_p
 
 
 def _marks(jaxpr) -> list:

@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpp_mpi._src.stage_marks import mark_stage_end, stage_end_p
-from jaxpp_mpi._src.treduce import (
+from jaxpp_mpi._src.primitives.stage_marks import mark_stage_end, stage_end_p
+from jaxpp_mpi._src.primitives.treduce import (
     Add,
     Concat,
     Max,

@@ -35,11 +35,11 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from jaxpp_mpi._src import agree
+from jaxpp_mpi._src.base.types import Comm
 from jaxpp_mpi._src.checkpoint import format as fmt
 from jaxpp_mpi._src.checkpoint.format import CheckpointError, Manifest
+from jaxpp_mpi._src.runtime import agree
 from jaxpp_mpi._src.runtime.failure import deadline, record_work
-from jaxpp_mpi._src.types import Comm
 
 __all__ = ["Ranks", "commit_checkpoint", "recover"]
 
@@ -60,7 +60,7 @@ class Ranks:
     """The processes taking part in a checkpoint operation: the ranks of an MPI
     communicator, or this process alone (`comm=None`).
 
-    Each method is the checkpoint's use of `jaxpp_mpi._src.agree` (Note: raise on every
+    Each method is the checkpoint's use of `jaxpp_mpi._src.runtime.agree` (Note: raise on every
     rank): a failing rank raises its own error, the others a `CheckpointError` naming
     the first failing rank. Every collective waits under the deadline `label` (`Note:
     deadlines` in runtime/failure.py). Only mpi4py's object collectives of a

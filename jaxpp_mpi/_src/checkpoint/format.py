@@ -42,7 +42,7 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from jaxpp_mpi._src.files import read_at_most
+from jaxpp_mpi._src.base.files import read_at_most
 
 __all__ = ["CheckpointError", "KeyPath", "LeafEntry", "Manifest", "Placement"]
 

@@ -16,10 +16,11 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from jaxpp_mpi._src.array import MpmdArray, MpmdSharding
+from jaxpp_mpi._src.arrays.array import MpmdArray
+from jaxpp_mpi._src.arrays.mesh import MpmdMesh
+from jaxpp_mpi._src.arrays.sharding import MpmdSharding
+from jaxpp_mpi._src.base.types import PyTree, Spec
 from jaxpp_mpi._src.checkpoint import format as fmt
-from jaxpp_mpi._src.mesh import MpmdMesh
-from jaxpp_mpi._src.types import PyTree, Spec
 
 __all__ = ["Plan", "PlanEntry", "plan_from_shardings"]
 

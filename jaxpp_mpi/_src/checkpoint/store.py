@@ -28,13 +28,14 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxpp_mpi._src.array import MpmdArray, MpmdSharding
+from jaxpp_mpi._src.arrays.array import MpmdArray
+from jaxpp_mpi._src.arrays.mesh import MpmdMesh, _mpi_world_size
+from jaxpp_mpi._src.arrays.sharding import MpmdSharding
+from jaxpp_mpi._src.base.types import PyTree
 from jaxpp_mpi._src.checkpoint import format as fmt
 from jaxpp_mpi._src.checkpoint.commit import Producer, Ranks, commit_checkpoint, recover
 from jaxpp_mpi._src.checkpoint.format import CheckpointError, Manifest
 from jaxpp_mpi._src.checkpoint.plan import Plan, plan_from_shardings
-from jaxpp_mpi._src.mesh import MpmdMesh, _mpi_world_size
-from jaxpp_mpi._src.types import PyTree
 
 __all__ = ["find", "load_plan", "load_whole", "read_manifest", "restore", "save",
            "save_plan"]

@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import jax
 from jax.extend import core as jex_core
 
+from jaxpp_mpi._src.base.errors import CompileError
+from jaxpp_mpi._src.base.types import Spec
 from jaxpp_mpi._src.compiler import replicas
 from jaxpp_mpi._src.compiler.homes import LoopHomes, assign_loop_homes, assign_outer_homes
 from jaxpp_mpi._src.compiler.loop_tasks import (
@@ -41,12 +43,10 @@ from jaxpp_mpi._src.compiler.outer import (
 from jaxpp_mpi._src.compiler.split import split_body
 from jaxpp_mpi._src.compiler.task_graph import TaskGraph, TaskNode, Value
 from jaxpp_mpi._src.compiler.trace_step import trace_step
-from jaxpp_mpi._src.errors import CompileError
 from jaxpp_mpi._src.ir.program import Aval, Program
-from jaxpp_mpi._src.types import Spec
 
 if TYPE_CHECKING:
-    from jaxpp_mpi._src.mesh import MpmdMesh
+    from jaxpp_mpi._src.arrays.mesh import MpmdMesh
 
 __all__ = ["StepPlan", "build_step"]
 

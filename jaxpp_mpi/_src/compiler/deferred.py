@@ -48,7 +48,7 @@ import numpy as np
 from jax.extend import core as jex_core
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from jaxpp_mpi._src.compat import split_inputs
+from jaxpp_mpi._src.base.compat import split_inputs
 from jaxpp_mpi._src.ir.instructions import program_spec
 
 __all__ = ["Unreduced", "axes_of", "compile_deferred", "compile_variant", "conform", "decide",

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from jax.extend import core as jex_core
 
-from jaxpp_mpi._src.compat import split_inputs
+from jaxpp_mpi._src.base.compat import split_inputs
+from jaxpp_mpi._src.base.errors import CompileError
 from jaxpp_mpi._src.compiler.jaxpr_util import new_jaxpr
-from jaxpp_mpi._src.errors import CompileError
-from jaxpp_mpi._src.stage_marks import stage_end_p
+from jaxpp_mpi._src.primitives.stage_marks import stage_end_p
 
 # primitive name -> param holding the called jaxpr
 _CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr",

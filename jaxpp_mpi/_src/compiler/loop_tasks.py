@@ -75,16 +75,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
 
+from jaxpp_mpi._src.base.errors import CompileError
+from jaxpp_mpi._src.base.types import Spec
 from jaxpp_mpi._src.compiler import deferred
 from jaxpp_mpi._src.compiler.homes import LoopHomes
 from jaxpp_mpi._src.compiler.split import SplitBody, TaskJaxpr, TaskKey, fuse_tasks
 from jaxpp_mpi._src.compiler.task_graph import TaskNode, Value
-from jaxpp_mpi._src.errors import CompileError
 from jaxpp_mpi._src.ir.program import Aval
+from jaxpp_mpi._src.primitives.treduce import Add, Concat, Max, Op
 from jaxpp_mpi._src.schedules.library import BaseSchedule, entry_tasks
 from jaxpp_mpi._src.schedules.tasks import Task, TaskType, task_label
-from jaxpp_mpi._src.treduce import Add, Concat, Max, Op
-from jaxpp_mpi._src.types import Spec
 
 __all__ = ["Exe", "LoopTasks", "aval_of", "build_loop_tasks", "first_from_plain", "identity",
            "is_key", "key_boundary", "key_impl", "key_struct", "replayable"]

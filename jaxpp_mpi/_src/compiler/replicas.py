@@ -39,14 +39,14 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jex_core
 
-from jaxpp_mpi._src.compat import split_inputs
+from jaxpp_mpi._src.base.compat import split_inputs
+from jaxpp_mpi._src.base.errors import CompileError
 from jaxpp_mpi._src.compiler.task_graph import Value
-from jaxpp_mpi._src.errors import CompileError
 from jaxpp_mpi._src.ir import passes
 from jaxpp_mpi._src.ir.program import Program, Run
 from jaxpp_mpi._src.ir.simulate import verify
+from jaxpp_mpi._src.primitives.treduce import Add, Concat, Max, Op
 from jaxpp_mpi._src.schedules.tasks import parse_label
-from jaxpp_mpi._src.treduce import Add, Concat, Max, Op
 
 __all__ = ["add_reductions", "local_microbatches", "localize", "localize_split", "reduce_op",
            "split_dim"]

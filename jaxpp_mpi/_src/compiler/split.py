@@ -33,12 +33,12 @@ from collections.abc import Sequence
 
 from jax.extend import core as jex_core
 
+from jaxpp_mpi._src.base.errors import CompileError
 from jaxpp_mpi._src.compiler.inline import inline_marked_calls
 from jaxpp_mpi._src.compiler.jaxpr_util import new_jaxpr
 from jaxpp_mpi._src.compiler.recompute import recompute_residuals
-from jaxpp_mpi._src.errors import CompileError
+from jaxpp_mpi._src.primitives.stage_marks import is_stage_end
 from jaxpp_mpi._src.schedules.tasks import TaskType
-from jaxpp_mpi._src.stage_marks import is_stage_end
 
 __all__ = ["SplitBody", "SplitError", "TaskJaxpr", "TaskKey", "ValueRef", "fuse_tasks",
            "split_body"]

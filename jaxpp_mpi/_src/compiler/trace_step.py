@@ -9,15 +9,15 @@ from typing import TYPE_CHECKING, Any
 import jax
 from jax.extend import core as jex_core
 
-from jaxpp_mpi._src.compat import split_inputs
+from jaxpp_mpi._src.base.compat import split_inputs
+from jaxpp_mpi._src.base.errors import CompileError
 from jaxpp_mpi._src.compiler.inline import inline_calls
 from jaxpp_mpi._src.compiler.jaxpr_util import new_jaxpr
-from jaxpp_mpi._src.errors import CompileError
-from jaxpp_mpi._src.retarget import retarget_jaxpr, trace_mesh
-from jaxpp_mpi._src.treduce import find_treduce_eqns, nested_treduce_errors
+from jaxpp_mpi._src.compiler.retarget import retarget_jaxpr, trace_mesh
+from jaxpp_mpi._src.primitives.treduce import find_treduce_eqns, nested_treduce_errors
 
 if TYPE_CHECKING:
-    from jaxpp_mpi._src.mesh import MpmdMesh
+    from jaxpp_mpi._src.arrays.mesh import MpmdMesh
 
 __all__ = ["TracedStep", "trace_step"]
 

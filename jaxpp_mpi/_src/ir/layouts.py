@@ -34,10 +34,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Collection, Mapping, Sequence
 
+from jaxpp_mpi._src.base.types import Spec
 from jaxpp_mpi._src.ir.instructions import Aval, Recv, Run, SendRecv
 from jaxpp_mpi._src.ir.passes import match_messages, recv_half, send_half
 from jaxpp_mpi._src.ir.program import GroupProgram, Program
-from jaxpp_mpi._src.types import Spec
 
 __all__ = [
     "ExeKey", "ExeLayout", "Exchange", "LayoutError", "Resolve", "donation_pairs",

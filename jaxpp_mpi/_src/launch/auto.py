@@ -202,8 +202,7 @@ _applied: _Applied | None = None
 def _backends_started() -> bool:
     if "jax" not in sys.modules:  # JAX not imported: its backends cannot exist yet
         return False
-    from jaxpp_mpi._src import compat
-
+    from jaxpp_mpi._src.base import compat
     return compat.jax_backends_initialized()
 
 

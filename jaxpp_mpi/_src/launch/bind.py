@@ -181,8 +181,7 @@ def bind_local_devices(
       BindError: when JAX's backends already exist, or the binding cannot be decided.
     """
     if "jax" in sys.modules:  # JAX not imported: its backends cannot exist yet
-        from jaxpp_mpi._src import compat
-
+        from jaxpp_mpi._src.base import compat
         if compat.jax_backends_initialized():
             raise BindError("bind_local_devices() must run before JAX initialises its "
                             "backends (before the first jax.devices() or computation); "

@@ -93,8 +93,8 @@ from jax.sharding import SingleDeviceSharding
 from mpi4jax._src.utils import MPI_TYPE_MAP
 from mpi4py import MPI
 
-from jaxpp_mpi._src import config
-from jaxpp_mpi._src.config import Options
+from jaxpp_mpi._src.base import config
+from jaxpp_mpi._src.base.config import Options
 from jaxpp_mpi._src.mpi import posted
 from jaxpp_mpi._src.mpi.wire import wire_dtype
 

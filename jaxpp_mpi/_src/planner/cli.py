@@ -18,7 +18,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from jaxpp_mpi._src.errors import CompileError
+from jaxpp_mpi._src.base.errors import CompileError
 from jaxpp_mpi._src.schedules.cli import UsageError, _Parser  # the schedules CLI's own
 
 __all__ = ["main"]

@@ -24,12 +24,12 @@ import jax
 import numpy as np
 from jax.extend import core as jex_core
 
+from jaxpp_mpi._src.arrays.mesh import MpmdMesh
 from jaxpp_mpi._src.compiler.build import StepPlan
 from jaxpp_mpi._src.compiler.loop_tasks import first_from_plain
 from jaxpp_mpi._src.compiler.split import split_body
 from jaxpp_mpi._src.compiler.trace_step import trace_step
-from jaxpp_mpi._src.group_compiler import GroupCompiler, flops, lower_exe, memory_stats
-from jaxpp_mpi._src.mesh import MpmdMesh
+from jaxpp_mpi._src.driver.group_compiler import GroupCompiler, flops, lower_exe, memory_stats
 from jaxpp_mpi._src.planner.costs import KINDS
 from jaxpp_mpi._src.planner.restage import count_marks
 from jaxpp_mpi._src.schedules.tasks import TaskType

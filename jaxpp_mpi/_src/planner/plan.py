@@ -37,14 +37,14 @@ from typing import Any
 
 import jax
 
-from jaxpp_mpi._src import config
-from jaxpp_mpi._src.api import MpmdFunction
-from jaxpp_mpi._src.arguments import abstract
-from jaxpp_mpi._src.errors import CompileError
+from jaxpp_mpi._src.arrays.mesh import MpmdMesh
+from jaxpp_mpi._src.base import config
+from jaxpp_mpi._src.base.errors import CompileError
+from jaxpp_mpi._src.driver.arguments import abstract
+from jaxpp_mpi._src.frontend.api import MpmdFunction
 from jaxpp_mpi._src.ir.memory import live_bytes
 from jaxpp_mpi._src.ir.program import Run
 from jaxpp_mpi._src.ir.simulate import MessageCost, runtime_sends, simulate
-from jaxpp_mpi._src.mesh import MpmdMesh
 from jaxpp_mpi._src.planner import candidates as cands
 from jaxpp_mpi._src.planner.costs import (
     DEFAULT_OVERHEAD_MS,

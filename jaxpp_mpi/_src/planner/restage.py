@@ -30,11 +30,11 @@ import jax
 import numpy as np
 from jax.extend import core as jex_core
 
+from jaxpp_mpi._src.base.errors import CompileError
 from jaxpp_mpi._src.compiler.inline import inline_marked_calls
 from jaxpp_mpi._src.compiler.jaxpr_util import new_jaxpr
-from jaxpp_mpi._src.errors import CompileError
-from jaxpp_mpi._src.stage_marks import is_stage_end
-from jaxpp_mpi._src.treduce import find_treduce_eqns
+from jaxpp_mpi._src.primitives.stage_marks import is_stage_end
+from jaxpp_mpi._src.primitives.treduce import find_treduce_eqns
 
 __all__ = ["count_marks", "keep_marks", "loop_eqn", "microbatched", "restage",
            "restage_jaxpr"]

@@ -19,14 +19,14 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
-from jaxpp_mpi._src import agree
+from jaxpp_mpi._src.arrays.mesh import _mpi_world_size
 from jaxpp_mpi._src.checkpoint import format as fmt
 from jaxpp_mpi._src.checkpoint import store as ck
 from jaxpp_mpi._src.checkpoint.commit import Ranks, commit_checkpoint
 from jaxpp_mpi._src.checkpoint.format import CheckpointError, Manifest
 from jaxpp_mpi._src.checkpoint.plan import Plan
 from jaxpp_mpi._src.launch.env import WORLD_SIZE_VARS
-from jaxpp_mpi._src.mesh import _mpi_world_size
+from jaxpp_mpi._src.runtime import agree
 
 __all__ = ["UsageError", "convert", "destination_manifest", "main"]
 

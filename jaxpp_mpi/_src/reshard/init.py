@@ -11,9 +11,10 @@ from jax.extend import core as jex_core
 from jax.interpreters import partial_eval as pe
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxpp_mpi._src.array import MpmdArray, MpmdSharding
-from jaxpp_mpi._src.mesh import MpmdMesh
-from jaxpp_mpi._src.types import PyTree
+from jaxpp_mpi._src.arrays.array import MpmdArray
+from jaxpp_mpi._src.arrays.mesh import MpmdMesh
+from jaxpp_mpi._src.arrays.sharding import MpmdSharding
+from jaxpp_mpi._src.base.types import PyTree
 
 __all__ = ["group_init_jaxprs", "mpmd_init"]
 

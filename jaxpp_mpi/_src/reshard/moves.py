@@ -11,10 +11,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import SingleDeviceSharding
 
-from jaxpp_mpi._src import agree
-from jaxpp_mpi._src.array import MpmdArray
-from jaxpp_mpi._src.mesh import MpmdMesh
+from jaxpp_mpi._src.arrays.array import MpmdArray
+from jaxpp_mpi._src.arrays.mesh import MpmdMesh
 from jaxpp_mpi._src.reshard.planning import Leaf, ReshardStats
+from jaxpp_mpi._src.runtime import agree
 from jaxpp_mpi._src.runtime.failure import deadline
 
 __all__ = ["Mover"]

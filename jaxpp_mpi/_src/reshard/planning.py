@@ -12,10 +12,11 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxpp_mpi._src import agree
-from jaxpp_mpi._src.array import MpmdArray, MpmdSharding
-from jaxpp_mpi._src.mesh import MpmdMesh
-from jaxpp_mpi._src.types import PyTree
+from jaxpp_mpi._src.arrays.array import MpmdArray
+from jaxpp_mpi._src.arrays.mesh import MpmdMesh
+from jaxpp_mpi._src.arrays.sharding import MpmdSharding
+from jaxpp_mpi._src.base.types import PyTree
+from jaxpp_mpi._src.runtime import agree
 
 __all__ = ["Leaf", "ReshardStats", "batches", "mpmd_leaf", "prepare", "spmd_leaf", "spmd_mesh"]
 
@@ -26,7 +27,7 @@ __all__ = ["Leaf", "ReshardStats", "batches", "mpmd_leaf", "prepare", "spmd_leaf
 #   rank's group mesh with the MPMD axis of size 1): an array laid out over the MPMD
 #   axis there (`jax.jit(init, out_shardings=NamedSharding(mesh, P(("stage", "fsdp"))))`,
 #   `jax.make_array_from_callback(shape, sharding, ...)`) is the whole array that this
-#   rank computed, as JaxPP's programs make it (Note: MPMD axis in specs in array.py), and
+#   rank computed, as JaxPP's programs make it (Note: MPMD axis in specs in sharding.py), and
 #   every rank passes the same logical shape and dtype. A target naming the MPMD axis
 #   (mpmd -> spmd) gives the whole array too.
 #   `process_local=True` (MPI mode) reads an array whose spec names the MPMD axis on

@@ -13,8 +13,9 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxpp_mpi._src.array import MpmdSharding
-from jaxpp_mpi._src.mesh import MpmdMesh
+from jaxpp_mpi._src.arrays.mesh import MpmdMesh
+from jaxpp_mpi._src.arrays.sharding import MpmdSharding
+from jaxpp_mpi._src.base.types import PyTree
 from jaxpp_mpi._src.reshard.moves import Mover
 from jaxpp_mpi._src.reshard.planning import (
     Leaf,
@@ -25,7 +26,6 @@ from jaxpp_mpi._src.reshard.planning import (
     spmd_leaf,
     spmd_mesh,
 )
-from jaxpp_mpi._src.types import PyTree
 
 __all__ = ["ReshardStats", "last_stats", "mpmd_to_spmd_reshard", "spmd_mesh",
            "spmd_to_mpmd_reshard"]

@@ -62,8 +62,8 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from jaxpp_mpi._src import config
-from jaxpp_mpi._src.config import Options
+from jaxpp_mpi._src.base import config
+from jaxpp_mpi._src.base.config import Options
 from jaxpp_mpi._src.schedules.tasks import describe_label as describe_task
 
 __all__ = ["Watchdog", "deadline", "deadline_s", "describe_task",

@@ -62,8 +62,8 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding
 
-from jaxpp_mpi._src import agree, config
-from jaxpp_mpi._src.config import Options
+from jaxpp_mpi._src.base import config
+from jaxpp_mpi._src.base.config import Options
 from jaxpp_mpi._src.ir.program import (
     AllReduce,
     Aval,
@@ -79,6 +79,7 @@ from jaxpp_mpi._src.mpi import chains
 from jaxpp_mpi._src.mpi.heap import tune_heap
 from jaxpp_mpi._src.mpi.posted import PostedSends, posts_sends
 from jaxpp_mpi._src.mpi.staged import StagedRecvs, StagedSends, stages_messages
+from jaxpp_mpi._src.runtime import agree
 from jaxpp_mpi._src.runtime.executor import (
     BufferLayout,
     Executable,
@@ -533,7 +534,7 @@ def adopt_comm(comm: Any) -> None:
 def agree_on_program(program: Program, comm: Any) -> None:
     """Allgathers the program hash (the barrier before the first message).
 
-    The logic lives in `jaxpp_mpi._src.agree.agree_on_program` (Note: raise on every
+    The logic lives in `jaxpp_mpi._src.runtime.agree.agree_on_program` (Note: raise on every
     rank), with the other collective decisions.
 
     Raises:

@@ -11,7 +11,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from jaxpp_mpi._src.files import read_at_most
+from jaxpp_mpi._src.base.files import read_at_most
 from jaxpp_mpi._src.schedules.check import ScheduleError, check_tasks, describe
 from jaxpp_mpi._src.schedules.library import BaseSchedule, check_positive
 from jaxpp_mpi._src.schedules.tasks import (

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from jaxpp_mpi import mark_stage_end, treduce
 from jaxpp_mpi._src.compiler.homes import assign_outer_homes
-from jaxpp_mpi._src.treduce import find_treduce_eqns
+from jaxpp_mpi._src.primitives.treduce import find_treduce_eqns
 
 
 @dataclasses.dataclass(frozen=True)

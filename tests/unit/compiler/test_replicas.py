@@ -9,9 +9,9 @@ import pytest
 from jax import lax
 from jax.extend import core as jex_core
 
+from jaxpp_mpi._src.base.errors import CompileError
 from jaxpp_mpi._src.compiler import replicas
-from jaxpp_mpi._src.errors import CompileError
-from jaxpp_mpi._src.treduce import Add, Concat, Max
+from jaxpp_mpi._src.primitives.treduce import Add, Concat, Max
 
 
 def test_local_microbatches():

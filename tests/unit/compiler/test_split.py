@@ -21,7 +21,7 @@ from jaxpp_mpi._src.compiler.split import (
     fuse_tasks,
     split_body,
 )
-from jaxpp_mpi._src.treduce import find_treduce_eqns
+from jaxpp_mpi._src.primitives.treduce import find_treduce_eqns
 
 
 @dataclasses.dataclass(frozen=True)

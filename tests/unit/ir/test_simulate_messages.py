@@ -203,7 +203,7 @@ def test_runtime_sends_by_platform():
 
 @pytest.mark.parametrize("value, posted", [(None, True), ("1", True), ("0", False), ("off", False)])
 def test_posted_sends_option(value, posted):
-    from jaxpp_mpi._src.config import parse_options
+    from jaxpp_mpi._src.base.config import parse_options
 
     options = parse_options({} if value is None else {"JAXPP_MPI_POSTED_SENDS": value})
     assert options.posted_sends is posted

@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from jaxpp_mpi._src import agree, config
-from jaxpp_mpi._src.config import Options, parse_options
-from jaxpp_mpi._src.runtime import failure
+from jaxpp_mpi._src.base import config
+from jaxpp_mpi._src.base.config import Options, parse_options
+from jaxpp_mpi._src.runtime import agree, failure
 
 
 class StallingComm:

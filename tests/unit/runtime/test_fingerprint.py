@@ -17,9 +17,9 @@ from models import make_step, mlp
 from thread_comm import on_thread_ranks
 
 import jaxpp_mpi
-from jaxpp_mpi._src import agree
 from jaxpp_mpi._src.compiler.build import build_step
 from jaxpp_mpi._src.compiler.fingerprint import STEP, step_texts
+from jaxpp_mpi._src.runtime import agree
 
 ROOT = Path(__file__).resolve().parents[3]
 

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from thread_comm import on_thread_ranks
 
-from jaxpp_mpi._src import shared_compiles
-from jaxpp_mpi._src.errors import CompileError
-from jaxpp_mpi._src.shared_compiles import assign_owners, compile_lowered
+from jaxpp_mpi._src.base.errors import CompileError
+from jaxpp_mpi._src.driver import shared_compiles
+from jaxpp_mpi._src.driver.shared_compiles import assign_owners, compile_lowered
 
 
 def test_a_module_one_rank_needs_stays_there_and_shared_ones_even_the_load():

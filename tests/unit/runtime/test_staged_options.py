@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from jaxpp_mpi._src.config import parse_options, stages_messages
+from jaxpp_mpi._src.base.config import parse_options, stages_messages
 from jaxpp_mpi._src.ir.simulate import runtime_sends
 
 

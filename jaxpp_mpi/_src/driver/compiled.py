@@ -35,17 +35,18 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxpp_mpi._src import agree
-from jaxpp_mpi._src.arguments import paths
-from jaxpp_mpi._src.array import MpmdArray, MpmdSharding, mpmd_array_from_local
+from jaxpp_mpi._src.arrays.array import MpmdArray, mpmd_array_from_local
+from jaxpp_mpi._src.arrays.mesh import MpmdMesh
+from jaxpp_mpi._src.arrays.sharding import MpmdSharding
+from jaxpp_mpi._src.base.errors import CompileError
+from jaxpp_mpi._src.base.types import PyTree
 from jaxpp_mpi._src.compiler.build import StepPlan
 from jaxpp_mpi._src.compiler.loop_tasks import key_struct
-from jaxpp_mpi._src.errors import CompileError
-from jaxpp_mpi._src.group_compiler import GroupCompiler, flops, memory_stats
+from jaxpp_mpi._src.driver.arguments import paths
+from jaxpp_mpi._src.driver.group_compiler import GroupCompiler, flops, memory_stats
 from jaxpp_mpi._src.ir.memory import live_bytes
 from jaxpp_mpi._src.ir.program import Aval, GroupProgram, Program, Run
-from jaxpp_mpi._src.mesh import MpmdMesh
-from jaxpp_mpi._src.types import PyTree
+from jaxpp_mpi._src.runtime import agree
 
 if TYPE_CHECKING:
     from jaxpp_mpi._src.runtime.local import LocalExecutor

@@ -45,8 +45,8 @@ from collections.abc import Callable, Mapping, Sequence
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
+from jaxpp_mpi._src.base.types import Comm
 from jaxpp_mpi._src.runtime.failure import deadline, record_work
-from jaxpp_mpi._src.types import Comm
 
 if TYPE_CHECKING:
     from jaxpp_mpi._src.ir.program import Program

@@ -35,11 +35,11 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
-from jaxpp_mpi._src import agree
+from jaxpp_mpi._src.runtime import agree
 from jaxpp_mpi._src.runtime.failure import deadline
 
 if TYPE_CHECKING:
-    from jaxpp_mpi._src.array import MpmdArray
+    from jaxpp_mpi._src.arrays.array import MpmdArray
 
 __all__ = ["is_collective_read", "read_value"]
 

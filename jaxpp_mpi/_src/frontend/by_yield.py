@@ -30,14 +30,19 @@ from typing import Any
 import jax
 from jax.extend import core as jex_core
 
-from jaxpp_mpi._src.api import MpmdFunction, mpmd_jit_with_loop
+from jaxpp_mpi._src.arrays.mesh import MpmdMesh
+from jaxpp_mpi._src.base.errors import CompileError
 from jaxpp_mpi._src.compiler.inline import inline_marked_calls
-from jaxpp_mpi._src.errors import CompileError
-from jaxpp_mpi._src.mesh import MpmdMesh
+from jaxpp_mpi._src.frontend.api import MpmdFunction, mpmd_jit_with_loop
+from jaxpp_mpi._src.primitives.stage_marks import is_stage_end
+from jaxpp_mpi._src.primitives.treduce import (
+    Add,
+    find_treduce_eqns,
+    nested_treduce_errors,
+    treduce_i,
+)
 from jaxpp_mpi._src.schedules.library import BaseSchedule, check_positive
 from jaxpp_mpi._src.schedules.tasks import ScheduleTasks, Task, TaskType
-from jaxpp_mpi._src.stage_marks import is_stage_end
-from jaxpp_mpi._src.treduce import Add, find_treduce_eqns, nested_treduce_errors, treduce_i
 
 __all__ = ["StagesInOrder", "mpmd_jit_by_yield"]
 

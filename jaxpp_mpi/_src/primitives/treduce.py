@@ -47,7 +47,7 @@ from jax import lax
 from jax.extend import core as jex_core
 from jax.interpreters import ad, batching, mlir
 
-from jaxpp_mpi._src import compat
+from jaxpp_mpi._src.base import compat
 
 __all__ = [
     "Add",

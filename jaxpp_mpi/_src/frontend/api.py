@@ -38,8 +38,16 @@ import jax
 from jax.extend import core as jex_core
 from jax.sharding import PartitionSpec
 
-from jaxpp_mpi._src import agree, config
-from jaxpp_mpi._src.arguments import (
+from jaxpp_mpi._src.arrays.mesh import MpmdMesh
+from jaxpp_mpi._src.arrays.sharding import without_axis
+from jaxpp_mpi._src.base import config
+from jaxpp_mpi._src.base.errors import CompileError
+from jaxpp_mpi._src.base.types import Comm, PyTree
+from jaxpp_mpi._src.compiler import replicas
+from jaxpp_mpi._src.compiler.build import StepPlan, build_step
+from jaxpp_mpi._src.compiler.fingerprint import step_texts
+from jaxpp_mpi._src.compiler.retarget import trace_mesh
+from jaxpp_mpi._src.driver.arguments import (
     Call,
     abstract,
     check_layout,
@@ -52,18 +60,11 @@ from jaxpp_mpi._src.arguments import (
     split_call,
     static_lines,
 )
-from jaxpp_mpi._src.array import without_axis
-from jaxpp_mpi._src.compiled import MpmdCompiled, is_step_check
-from jaxpp_mpi._src.compiler import replicas
-from jaxpp_mpi._src.compiler.build import StepPlan, build_step
-from jaxpp_mpi._src.compiler.fingerprint import step_texts
-from jaxpp_mpi._src.errors import CompileError
+from jaxpp_mpi._src.driver.compiled import MpmdCompiled, is_step_check
 from jaxpp_mpi._src.ir.simulate import runtime_sends
-from jaxpp_mpi._src.mesh import MpmdMesh
-from jaxpp_mpi._src.retarget import trace_mesh
-from jaxpp_mpi._src.types import Comm, PyTree
+from jaxpp_mpi._src.runtime import agree
 
-# MpmdCompiled is re-exported: `jaxpp_mpi._src.api.MpmdCompiled` stays importable.
+# MpmdCompiled is re-exported: `jaxpp_mpi._src.frontend.api.MpmdCompiled` stays importable.
 __all__ = ["MpmdCompiled", "MpmdFunction", "mpmd_jit_with_loop"]
 
 logger = logging.getLogger("jaxpp_mpi")

@@ -28,8 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxpp_mpi._src.array import MpmdArray, MpmdSharding, without_axis
-from jaxpp_mpi._src.types import PyTree, Spec
+from jaxpp_mpi._src.arrays.array import MpmdArray
+from jaxpp_mpi._src.arrays.sharding import MpmdSharding, without_axis
+from jaxpp_mpi._src.base.types import PyTree, Spec
 
 __all__ = ["ArgNums", "Call", "abstract", "check_layout", "describe_leaves", "paths",
            "per_leaf", "resolve_argnums", "signature", "spec_entries", "split_call",
@@ -268,7 +269,7 @@ def per_leaf(prefix: PyTree, tree: jax.tree_util.PyTreeDef, what: str) -> list[A
 
 def spec_entries(spec: Any, what: str, mpmd_axis: str | None = None) -> Spec | None:
     """The entries of a user's spec (a `PartitionSpec`, or a sharding's spec), the MPMD
-    axis `mpmd_axis` dropped (`Note: MPMD axis in specs` in array.py).
+    axis `mpmd_axis` dropped (`Note: MPMD axis in specs` in sharding.py).
 
     Raises:
       TypeError: `spec` is neither None, a `PartitionSpec` nor a sharding.
@@ -380,7 +381,7 @@ def signature(call: Call) -> tuple:
     name, weak type, spec), the static arguments).
 
     A `jax.Array` leaf is the whole value whatever its layout, one laid out over the
-    MPMD axis included (`Note: MPMD axis in specs` in array.py): the group that reads
+    MPMD axis included (`Note: MPMD axis in specs` in sharding.py): the group that reads
     it gets its own replica, laid out as the step wants.
 
     Args:

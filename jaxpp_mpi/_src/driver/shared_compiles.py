@@ -46,10 +46,10 @@ from typing import Any
 
 import jax
 
-from jaxpp_mpi._src import agree, compat, config
-from jaxpp_mpi._src.errors import CompileError
-from jaxpp_mpi._src.runtime import failure
-from jaxpp_mpi._src.types import Comm
+from jaxpp_mpi._src.base import compat, config
+from jaxpp_mpi._src.base.errors import CompileError
+from jaxpp_mpi._src.base.types import Comm
+from jaxpp_mpi._src.runtime import agree, failure
 
 __all__ = ["LABEL", "MAX_SHARED_BYTES", "SharedReport", "assign_owners", "compile_lowered",
            "digest", "module_cost"]

@@ -60,8 +60,8 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh
 
+from jaxpp_mpi._src.arrays.mesh_views import GroupViews, abstract_groups
 from jaxpp_mpi._src.launch.env import job_world_size
-from jaxpp_mpi._src.mesh_views import GroupViews, abstract_groups
 
 __all__ = ["MpmdMesh"]
 

@@ -22,17 +22,18 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from jaxpp_mpi._src import agree, compat, shared_compiles
+from jaxpp_mpi._src.arrays.mesh import MpmdMesh
+from jaxpp_mpi._src.base import compat
+from jaxpp_mpi._src.base.errors import CompileError
+from jaxpp_mpi._src.base.types import Spec
 from jaxpp_mpi._src.compiler import deferred
 from jaxpp_mpi._src.compiler.build import StepPlan
 from jaxpp_mpi._src.compiler.loop_tasks import Exe, first_from_plain
-from jaxpp_mpi._src.errors import CompileError
+from jaxpp_mpi._src.driver import shared_compiles
 from jaxpp_mpi._src.ir.instructions import program_spec
 from jaxpp_mpi._src.ir.layouts import LayoutError, donation_pairs, infer_layouts
 from jaxpp_mpi._src.ir.program import Aval
-from jaxpp_mpi._src.mesh import MpmdMesh
-from jaxpp_mpi._src.runtime import failure
-from jaxpp_mpi._src.types import Spec
+from jaxpp_mpi._src.runtime import agree, failure
 
 __all__ = ["GroupCompiler", "compile_exe", "flops", "lower_exe"]
 

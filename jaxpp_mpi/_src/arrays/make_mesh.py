@@ -9,8 +9,8 @@ from typing import Any
 import jax
 from jax.sharding import AxisType
 
-from jaxpp_mpi._src import mesh as mesh_module  # its hooks, patched in tests
-from jaxpp_mpi._src.mesh import Comm, MpmdMesh
+from jaxpp_mpi._src.arrays import mesh as mesh_module  # its hooks, patched in tests
+from jaxpp_mpi._src.arrays.mesh import Comm, MpmdMesh
 from jaxpp_mpi._src.mpi.cuda_mpi import cuda_mpi_problem
 
 __all__ = ["make_mpmd_mesh"]

@@ -53,7 +53,7 @@ from jax.extend import core as jex_core
 from jax.interpreters import ad, batching, mlir
 from jax.interpreters import partial_eval as pe
 
-from jaxpp_mpi._src import compat
+from jaxpp_mpi._src.base import compat
 
 __all__ = ["mark_stage_end", "pipeline_enter_stage", "stage_end_p", "is_stage_end"]
 

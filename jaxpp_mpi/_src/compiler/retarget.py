@@ -32,7 +32,7 @@ from typing import Any
 from jax.extend import core as jex_core
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
-from jaxpp_mpi._src.errors import CompileError
+from jaxpp_mpi._src.base.errors import CompileError
 
 __all__ = ["group_mesh", "retarget_jaxpr", "trace_mesh"]
 
