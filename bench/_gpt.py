@@ -37,6 +37,10 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true",
                    help="a tiny model (" + ", ".join(f"{k} {v}" for k, v in QUICK.items())
                    + ") that runs on a CPU in a minute or two; every code path")
+    p.add_argument("--fused-attention", action="store_true",
+                   help="attention by jax.nn.dot_product_attention (cuDNN's fused kernel "
+                   "on a GPU: no seq x seq scores kept for the backward), in jax.jit's "
+                   "step and the pipeline's alike")
 
 
 def model_options(args: argparse.Namespace) -> dict[str, int]:
@@ -49,12 +53,13 @@ def model_options(args: argparse.Namespace) -> dict[str, int]:
     return sizes
 
 
-def config(sizes: dict[str, int]):
+def config(sizes: dict[str, int], fused_attention: bool = False):
     """The model's `ModelConfig`: float32 weights (the master copy)."""
     import train
 
     return train.ModelConfig(vocab=sizes["vocab"], hidden=sizes["hidden"],
-                             heads=sizes["heads"], seq=sizes["seq"], layers=sizes["layers"])
+                             heads=sizes["heads"], seq=sizes["seq"], layers=sizes["layers"],
+                             fused_attention=fused_attention)
 
 
 def cast(tree: Any) -> Any:
@@ -158,7 +163,7 @@ def stage_reference(cfg, stage: int, num_stages: int):
         p = cast(params)
         h = p["embed"][x] + p["pos"] if first else x
         for b in p["blocks"]:
-            h = train.block(b, h, cfg.heads)
+            h = train.block(b, h, cfg.heads, cfg.fused_attention)
         if not last:
             return h
         logits = (train.layernorm(h, p["ln_f"]) @ p["head"]).astype("float32")
@@ -245,6 +250,7 @@ def header(args: argparse.Namespace, part: str) -> dict[str, Any]:
     return {"benchmark": "gpu", "part": part, **metadata(), "device": dev.device_kind,
             "platform": dev.platform, "quick": args.quick, "sizes": args.sizes,
             "reduced": not args.quick and args.sizes != FULL, "steps": args.steps,
+            "fused_attention": args.fused_attention,
             "loss_tolerance": LOSS_TOLERANCE, "complete": False}
 
 

@@ -164,7 +164,7 @@ def pipeline_main(args) -> int:
     clock = Clock(quiet=rank != 0)
     result = header(args, "pipeline")
     result.update(ranks=2, schedules={})
-    cfg, optimizer = config(args.sizes), optax.adam(args.lr)
+    cfg, optimizer = config(args.sizes, args.fused_attention), optax.adam(args.lr)
     state = initial_state(cfg, optimizer)
     batch = train.synthetic_batch(cfg, args.num_microbatches, args.microbatch_size)
     ok = True

@@ -141,7 +141,7 @@ def single_process(args: argparse.Namespace, clock: Clock, result: dict) -> bool
 
     import jaxpp_mpi
 
-    cfg, optimizer = config(args.sizes), optax.adam(args.lr)
+    cfg, optimizer = config(args.sizes, args.fused_attention), optax.adam(args.lr)
     state = initial_state(cfg, optimizer)
     batch = train.synthetic_batch(cfg, args.num_microbatches, args.microbatch_size)
     n, parts, ok = args.num_microbatches, result["parts"], True

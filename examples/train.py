@@ -87,6 +87,9 @@ class ModelConfig:
       tied: the unembedding is the embedding's transpose (first and last stage share it).
       dtype: weights' and activations' dtype; layer norms, attention scores and logits
         are computed in float32.
+      fused_attention: attention by `jax.nn.dot_product_attention` (cuDNN's fused
+        kernel on a GPU that has it, which keeps the seq x seq scores out of memory;
+        XLA's own elsewhere) instead of the explicit softmax(q k^T) v.
     """
 
     vocab: int
@@ -97,6 +100,7 @@ class ModelConfig:
     mlp_ratio: int = 4
     tied: bool = False
     dtype: str = "float32"
+    fused_attention: bool = False
 
 
 def init_params(key: jax.Array, cfg: ModelConfig, std: float | None = None) -> dict[str, Any]:
@@ -142,11 +146,18 @@ def layernorm(x: jax.Array, g: jax.Array) -> jax.Array:
     return ((x32 - mu) * jax.lax.rsqrt(var + 1e-5)).astype(x.dtype) * g
 
 
-def block(p: dict[str, jax.Array], h: jax.Array, heads: int) -> jax.Array:
-    """One pre-norm block on `h` (..., seq, d): causal self-attention, then a GELU MLP."""
+def block(p: dict[str, jax.Array], h: jax.Array, heads: int,
+          fused_attention: bool = False) -> jax.Array:
+    """One pre-norm block on `h` (batch, seq, d): causal self-attention, then a GELU
+    MLP (`ModelConfig.fused_attention`: attention by `jax.nn.dot_product_attention`)."""
     seq, d = h.shape[-2:]
     x = layernorm(h, p["ln1"])
     q, k, v = jnp.split(x @ p["qkv"], 3, axis=-1)
+    if fused_attention:  # (batch, seq, heads, d / heads), as dot_product_attention takes
+        q, k, v = (t.reshape(*t.shape[:-1], heads, d // heads) for t in (q, k, v))
+        att = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        h = h + att.reshape(h.shape) @ p["proj"]
+        return h + jax.nn.gelu(layernorm(h, p["ln2"]) @ p["up"]) @ p["down"]
     split = lambda t: t.reshape(*t.shape[:-1], heads, d // heads).swapaxes(-2, -3)
     q, k, v = split(q), split(k), split(v)
     scores = (q @ k.swapaxes(-1, -2)).astype(jnp.float32) / np.sqrt(d // heads)
@@ -165,7 +176,7 @@ def logits_fn(params: dict[str, Any], inputs: jax.Array, cfg: ModelConfig,
     per_stage = cfg.layers // num_stages
     for s in range(num_stages):
         for p in params["blocks"][s * per_stage:(s + 1) * per_stage]:
-            h = block(p, h, cfg.heads)
+            h = block(p, h, cfg.heads, cfg.fused_attention)
         h = jaxpp_mpi.mark_stage_end(h)
     head = params["embed"].T if cfg.tied else params["head"]
     return (layernorm(h, params["ln_f"]) @ head).astype(jnp.float32)

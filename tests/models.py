@@ -55,15 +55,17 @@ def mlp(num_stages: int, num_microbatches: int, width: int = 16, rows: int = 4):
 
 
 def transformer(num_stages: int, num_microbatches: int, *, vocab: int = 32, d: int = 16,
-                seq: int = 8, rows: int = 2, heads: int = 2, tied: bool = False):
+                seq: int = 8, rows: int = 2, heads: int = 2, tied: bool = False,
+                fused_attention: bool = False):
     """examples/train.py's decoder-only LM, small: embedding on stage 0, one block per
     stage (MLP 2d wide), head + loss last; aux = next-token accuracy.
 
     With `tied`, the output projection is the embedding's transpose, so the first and
-    the last stage share a weight.
+    the last stage share a weight; `fused_attention`: attention by
+    `jax.nn.dot_product_attention` (`ModelConfig.fused_attention`).
     """
     cfg = train.ModelConfig(vocab=vocab, hidden=d, heads=heads, seq=seq, layers=num_stages,
-                            mlp_ratio=2, tied=tied)
+                            mlp_ratio=2, tied=tied, fused_attention=fused_attention)
     # Weights of std 0.2, not the example's smaller ones: gradients stay far above float32
     # rounding, whose noise adam would otherwise magnify past the parity tolerance
     # (measured on 8 interleaved stages: 7x the tolerance with the default, 0.3x with 0.2).
