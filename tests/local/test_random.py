@@ -1,5 +1,5 @@
 """Randomness inside pipelined steps: typed PRNG keys against `jax.jit` (`Note: keys as
-key data` in compiler/loop_tasks.py).
+key data` in compiler/keys.py).
 
 A tanh MLP with dropout after every layer trains for a few `optax.adam` steps. Its state
 holds a typed key (`jax.random.key`) that each step splits, returning the new key; the

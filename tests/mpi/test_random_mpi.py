@@ -1,5 +1,5 @@
 """Randomness across ranks (one group per rank): typed PRNG keys against single-process
-`jax.jit` (`Note: keys as key data` in compiler/loop_tasks.py).
+`jax.jit` (`Note: keys as key data` in compiler/keys.py).
 
 The models and steps are tests/local/test_random.py's: dropout in every stage, a typed
 key in the state split every step, keys folded per microbatch and stage. Each rank

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractMesh, AxisType, Mesh
 
+from jaxpp_mpi._src.arrays import comms as comms_mod
 from jaxpp_mpi._src.arrays import mesh as mesh_mod
 from jaxpp_mpi._src.arrays.make_mesh import make_mpmd_mesh
 from jaxpp_mpi._src.arrays.mesh import MpmdMesh
@@ -70,7 +71,7 @@ def test_local_mode_groups(shape, names, axis):
 
 
 def test_local_submesh(monkeypatch):
-    monkeypatch.setattr(mesh_mod, "_default_comm", lambda: pytest.fail("dup called"))
+    monkeypatch.setattr(comms_mod, "_default_comm", lambda: pytest.fail("dup called"))
     jmesh = _mesh((4, 2), ("stage", "data"))
     mm = MpmdMesh(jmesh, "stage")
     sub = mm.mpmd_submesh([3, 1])
@@ -129,7 +130,7 @@ def test_missing_mpmd_axis_in_one_process():
 
 
 def test_local_mesh_under_multi_rank_job_raises(monkeypatch):
-    monkeypatch.setattr(mesh_mod, "_mpi_world_size", lambda: 4)
+    monkeypatch.setattr(comms_mod, "_mpi_world_size", lambda: 4)
     with pytest.raises(ValueError, match="puts all 4 MPMD groups .* MPI job has 4 ranks"):
         MpmdMesh(_mesh((4, 2), ("stage", "data")), "stage")
 
@@ -419,8 +420,8 @@ def test_make_mpmd_mesh_wrong_device_count():
 
 def test_make_mpmd_mesh_under_multi_rank_job_checks_rank_count(monkeypatch):
     # A 4-rank job whose mesh wants 2 groups: refused before any communicator is made.
-    monkeypatch.setattr(mesh_mod, "_mpi_world_size", lambda: 4)
-    monkeypatch.setattr(mesh_mod, "_default_comm", lambda: pytest.fail("dup called"))
+    monkeypatch.setattr(comms_mod, "_mpi_world_size", lambda: 4)
+    monkeypatch.setattr(comms_mod, "_default_comm", lambda: pytest.fail("dup called"))
     with pytest.raises(ValueError, match="mesh wants 2 groups .* job has 4 ranks"):
         make_mpmd_mesh((2, 4), ("stage", "data"), "stage")
 

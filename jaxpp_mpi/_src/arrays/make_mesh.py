@@ -9,8 +9,9 @@ from typing import Any
 import jax
 from jax.sharding import AxisType
 
-from jaxpp_mpi._src.arrays import mesh as mesh_module  # its hooks, patched in tests
-from jaxpp_mpi._src.arrays.mesh import Comm, MpmdMesh
+from jaxpp_mpi._src.arrays import comms as mesh_module  # its hooks, patched in tests
+from jaxpp_mpi._src.arrays.comms import Comm
+from jaxpp_mpi._src.arrays.mesh import MpmdMesh
 from jaxpp_mpi._src.mpi.cuda_mpi import cuda_mpi_problem
 
 __all__ = ["make_mpmd_mesh"]
@@ -46,7 +47,7 @@ def make_mpmd_mesh(
         `jax.local_devices()`.
       axis_types: per-axis types; default all `AxisType.Auto`.
       replica_axis_name: an axis of `axis_shapes` that counts copies of the pipeline
-        (data parallelism across pipelines, Note: Pipeline replicas in mesh.py): with
+        (data parallelism across pipelines, Note: Pipeline replicas in comms.py): with
         it of size R, the job runs R x P ranks, world rank replica x P + mpmd_idx. The
         group mesh has neither it nor the MPMD axis's extent.
 

@@ -23,91 +23,25 @@ Note: Mesh modes.
   are in `mesh_views.py`.
   The mode depends only on the mesh, the communicator's size and the MPI world size,
   which every rank sees the same way, so mode errors are raised on every rank alike.
-
-Note: Pipeline replicas.
-  In MPI mode a job may run `num_replicas` (R) copies of a P-group pipeline on R x P
-  ranks: world rank = replica x P + mpmd_idx. The world communicator (`job_comm`) is
-  split in two, on every rank alike at construction: `comm`, the P ranks of this
-  rank's replica (its rank is the MPMD index, so every message path of one pipeline is
-  unchanged), and `replica_comm`, the R ranks that run this rank's group in every
-  replica (its rank is the replica index; gradients are combined over it, `Note:
-  replicas` in compiler/replicas.py). Decisions that every rank must take alike
-  (agreement, the per-call check, compile barriers, preemption, checkpoints) use
-  `job_comm`. With one replica `job_comm is comm` and `replica_comm` is None. Local
-  mode holds one replica.
-
-Note: Default communicator.
-  In MPI mode without an explicit `comm`, the mesh takes `collectives.world_dup()` (a
-  duplicate of COMM_WORLD) once, at construction. `Dup` is collective: build an
-  `MpmdMesh` at the same point of the program on every rank, and once per program
-  (communicators are a finite resource in some MPI libraries). Every MPI-mode mesh hands
-  its communicator to the MPI runtime (`runtime.mpi.adopt_comm`), which prepares the job
-  for failures (Note: abort on exception in runtime/failure.py), and duplicates it once
-  more, for the collective reads of values (Note: reading values, in fetch.py), so
-  building an MPI-mode mesh is collective over its communicator, whoever made it.
-  Nothing here imports mpi4py; the MPI world size is read from an already-imported
-  `mpi4py.MPI` or from the launcher's environment (`launch.env.job_world_size`).
+  An MPI-mode mesh's communicators (where they come from, how replicas split the job's)
+  are made by `comms.py` (Notes: Pipeline replicas, Default communicator).
 """
 
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Iterable
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar
 
 import jax
 import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh
 
+from jaxpp_mpi._src.arrays import comms  # its hooks, patched in tests
+from jaxpp_mpi._src.arrays.comms import Comm
 from jaxpp_mpi._src.arrays.mesh_views import GroupViews, abstract_groups
-from jaxpp_mpi._src.launch.env import job_world_size
 
 __all__ = ["MpmdMesh"]
-
-class Comm(Protocol):
-    """What an `MpmdMesh` needs of a communicator (an `mpi4py.MPI.Comm` has it)."""
-
-    def Get_rank(self) -> int: ...  # noqa: N802 - mpi4py's spelling
-
-    def Get_size(self) -> int: ...  # noqa: N802 - mpi4py's spelling
-
-
-def _mpi_world_size() -> int:
-    """The MPI job's size, without importing mpi4py (see Note: Default communicator).
-
-    Returns:
-      `launch.env.job_world_size()`: 1 when neither an imported, initialised
-      `mpi4py.MPI` nor the launcher's environment says otherwise.
-    """
-    return job_world_size()
-
-
-def _default_comm() -> Comm:
-    from jaxpp_mpi._src.mpi import collectives  # the MPI layer (imports mpi4py)
-
-    return collectives.world_dup()
-
-
-def _adopt(comm: Comm) -> None:
-    """Hands an MPI-mode mesh's communicator to the MPI runtime (Note: Default communicator).
-
-    Without an imported mpi4py no MPI job runs and `comm` is a stand-in (tests): the
-    runtime, which imports mpi4py, is left unloaded.
-    """
-    if "mpi4py.MPI" not in sys.modules:
-        return
-    from jaxpp_mpi._src.runtime.mpi import adopt_comm
-
-    adopt_comm(comm)
-
-
-def _duplicate(comm: Comm) -> Comm:
-    """A duplicate of `comm` for reading values (Note: Default communicator); `comm`
-    itself for a stand-in without `Dup` (tests)."""
-    dup = getattr(comm, "Dup", None)
-    return comm if dup is None else dup()
-
 
 def _is_addressable(device: Any) -> bool:
     return device.process_index == jax.process_index()
@@ -136,9 +70,9 @@ class MpmdMesh(GroupViews):
       mpmd_axis_name: the axis that separates the groups.
       comm: the communicator whose rank `r` is MPMD index `r` (MPI mode), or, with
         `num_replicas` > 1, whose rank `replica x mpmd_dim + mpmd_idx` runs group
-        `mpmd_idx` of pipeline replica `replica` (Note: Pipeline replicas). Defaults
-        to `collectives.world_dup()` in MPI mode and to none in local mode. A
-        communicator of size 1 may be given with a local-mode mesh.
+        `mpmd_idx` of pipeline replica `replica` (Note: Pipeline replicas in
+        comms.py). Defaults to `collectives.world_dup()` in MPI mode and to none in
+        local mode. A communicator of size 1 may be given with a local-mode mesh.
       num_replicas: copies of the pipeline in the MPI job (MPI mode only).
       replica_axis_name: the name of the replica axis in `make_mpmd_mesh`'s global
         shape, if it had one (for messages and specs; the group mesh lacks it).
@@ -161,7 +95,7 @@ class MpmdMesh(GroupViews):
         axis_size = jax_mesh.shape[mpmd_axis_name] if has_axis else 1
         foreign = [d for d in jax_mesh.devices.flat if not _is_addressable(d)]
         comm_size = None if comm is None else int(comm.Get_size())
-        world_size = _mpi_world_size() if comm is None else comm_size
+        world_size = comms._mpi_world_size() if comm is None else comm_size
         self._setup(jax_mesh, mpmd_axis_name)
         if (not isinstance(num_replicas, (int, np.integer)) or isinstance(num_replicas, bool)
                 or num_replicas < 1):
@@ -246,18 +180,16 @@ class MpmdMesh(GroupViews):
                 f"of its devices belong to other processes (e.g. {foreign[0]}). Build it "
                 "from jax.local_devices(), or use make_mpmd_mesh."
             )
-        if comm is None:
-            comm = _default_comm()
-        _adopt(comm)
+        opened = comms.open_comms(comm, self._num_replicas)
         self._is_local = False
-        self._job_comm = comm
-        comm = self._split_replicas(comm)
-        self._comm = comm
-        self._mpmd_dim = int(comm.Get_size())
-        self._my_rank = self._my_idx = int(comm.Get_rank())
+        self._job_comm = opened.job
+        self._replica_comm, self._replica_idx = opened.replica, opened.replica_idx
+        self._comm = opened.pipeline
+        self._mpmd_dim = int(opened.pipeline.Get_size())
+        self._my_rank = self._my_idx = int(opened.pipeline.Get_rank())
         self._ranks = tuple(range(self._mpmd_dim))
-        self._root_comm = comm
-        self._read_comm = _duplicate(comm)
+        self._root_comm = opened.pipeline
+        self._read_comm = opened.values
         devices = self._jax_mesh.devices
         if self._axis_pos is not None:
             devices = np.take(devices, 0, axis=self._axis_pos)
@@ -266,28 +198,12 @@ class MpmdMesh(GroupViews):
             own = self._jax_mesh
         self._group_meshes = (own,)
 
-    def _split_replicas(self, job_comm: Comm) -> Comm:
-        """The pipeline communicator of this rank's replica; sets the replica fields
-        (Note: Pipeline replicas). Collective over `job_comm` when `num_replicas` > 1."""
-        r = self._num_replicas
-        if r == 1:
-            return job_comm
-        size, rank = int(job_comm.Get_size()), int(job_comm.Get_rank())
-        if size % r:
-            raise ValueError(
-                f"num_replicas={r} does not divide the job's {size} ranks: run R x P ranks "
-                f"(mpirun -n {r}*P) for {r} replicas of a P-group pipeline")
-        p = size // r
-        self._replica_idx = rank // p
-        pipeline = job_comm.Split(self._replica_idx, rank % p)
-        self._replica_comm = job_comm.Split(rank % p, self._replica_idx)
-        return pipeline
-
     # -- replicas -----------------------------------------------------------------
 
     @property
     def num_replicas(self) -> int:
-        """Copies of the pipeline in the job (Note: Pipeline replicas); 1 in local mode."""
+        """Copies of the pipeline in the job (Note: Pipeline replicas in comms.py); 1 in
+        local mode."""
         return self._num_replicas
 
     @property

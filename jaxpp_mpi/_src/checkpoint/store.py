@@ -4,7 +4,7 @@ The files are described in Note: Checkpoint format (checkpoint/format.py), the w
 are written in Note: Atomic commit (checkpoint/commit.py).
 
 Note: Checkpoints with replicas.
-  With pipeline replicas (Note: Pipeline replicas in mesh.py) every replica holds the
+  With pipeline replicas (Note: Pipeline replicas in comms.py) every replica holds the
   same values, so a checkpoint does not depend on how many there are: `save` writes it
   once, by the ranks of replica 0 over their pipeline communicator (`mesh.comm`,
   exactly as a one-replica job with the same groups does: same manifest, same files),
@@ -29,7 +29,8 @@ import jax
 import numpy as np
 
 from jaxpp_mpi._src.arrays.array import MpmdArray
-from jaxpp_mpi._src.arrays.mesh import MpmdMesh, _mpi_world_size
+from jaxpp_mpi._src.arrays.comms import _mpi_world_size
+from jaxpp_mpi._src.arrays.mesh import MpmdMesh
 from jaxpp_mpi._src.arrays.sharding import MpmdSharding
 from jaxpp_mpi._src.base.types import PyTree
 from jaxpp_mpi._src.checkpoint import format as fmt

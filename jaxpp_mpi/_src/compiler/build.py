@@ -24,13 +24,8 @@ from jaxpp_mpi._src.base.errors import CompileError
 from jaxpp_mpi._src.base.types import Spec
 from jaxpp_mpi._src.compiler import replicas
 from jaxpp_mpi._src.compiler.homes import LoopHomes, assign_loop_homes, assign_outer_homes
-from jaxpp_mpi._src.compiler.loop_tasks import (
-    Exe,
-    aval_of,
-    build_loop_tasks,
-    is_key,
-    key_impl,
-)
+from jaxpp_mpi._src.compiler.keys import aval_of, is_key, key_impl
+from jaxpp_mpi._src.compiler.loop_tasks import Exe, build_loop_tasks
 from jaxpp_mpi._src.compiler.lower import build_program_with_names
 from jaxpp_mpi._src.compiler.outer import (
     OuterNames,

@@ -1,7 +1,7 @@
 """Pipeline replicas: which microbatches a replica runs, and what is combined across them.
 
 Note: replicas.
-  With R pipeline replicas (Note: Pipeline replicas in mesh.py) the step keeps its
+  With R pipeline replicas (Note: Pipeline replicas in comms.py) the step keeps its
   meaning: it is traced on the global arguments, exactly as for one pipeline, and its
   microbatch loop of n microbatches is partitioned over the replicas. Replica r runs
   microbatches r * n/R ... (r+1) * n/R - 1, in its schedule's order for n/R microbatches;

@@ -287,7 +287,7 @@ def spec_entries(spec: Any, what: str, mpmd_axis: str | None = None) -> Spec | N
 
 def abstract(x: Any) -> jax.ShapeDtypeStruct:
     """The shape, dtype and weak type of one argument leaf (a typed PRNG key array's
-    dtype is its key dtype: `Note: keys as key data` in compiler/loop_tasks.py).
+    dtype is its key dtype: `Note: keys as key data` in compiler/keys.py).
 
     Raises:
       TypeError: `x` is neither an array nor a number (a str, an arbitrary object, a

@@ -41,7 +41,7 @@ from jaxpp_mpi._src.arrays.sharding import MpmdSharding
 from jaxpp_mpi._src.base.errors import CompileError
 from jaxpp_mpi._src.base.types import PyTree
 from jaxpp_mpi._src.compiler.build import StepPlan
-from jaxpp_mpi._src.compiler.loop_tasks import key_struct
+from jaxpp_mpi._src.compiler.keys import key_struct
 from jaxpp_mpi._src.driver.arguments import paths
 from jaxpp_mpi._src.driver.group_compiler import GroupCompiler, flops, memory_stats
 from jaxpp_mpi._src.ir.memory import live_bytes

@@ -1,4 +1,8 @@
-"""Rendezvous dry run of a Program: verification and makespan prediction."""
+"""Rendezvous dry run of a Program: verification and makespan prediction.
+
+The static checks that come first (peers, tags, buffer lifetimes, message avals) are in
+ir/checks.py.
+"""
 
 from __future__ import annotations
 
@@ -7,14 +11,8 @@ import math
 from collections.abc import Callable, Iterator
 
 from jaxpp_mpi._src.ir import rendezvous
-from jaxpp_mpi._src.ir.passes import (
-    Loc,
-    Matching,
-    aval_nbytes,
-    match_messages,
-    recv_half,
-    send_half,
-)
+from jaxpp_mpi._src.ir.checks import check_static, locate
+from jaxpp_mpi._src.ir.passes import Loc, aval_nbytes, match_messages, recv_half, send_half
 from jaxpp_mpi._src.ir.program import (
     AllReduce,
     Aval,
@@ -23,10 +21,7 @@ from jaxpp_mpi._src.ir.program import (
     Instr,
     Program,
     ProgramError,
-    Recv,
     Run,
-    Send,
-    SendRecv,
 )
 from jaxpp_mpi._src.ir.rendezvous import format_grid
 from jaxpp_mpi._src.schedules.tasks import label_latency
@@ -206,142 +201,6 @@ class SimResult:
     busy: tuple[float, ...]
 
 
-# ----------------------------------------------------------------------------- static checks
-
-
-def _where(g: int, i: int, instr: Instr) -> str:
-    return f"group {g} #{i} {instr}"
-
-
-def _check_peers(program: Program) -> None:
-    n = program.num_groups
-    for g in program.groups:
-        a = g.mpmd_idx
-        for i, instr in enumerate(g.instrs):
-            for half, way in ((send_half(instr), "to"), (recv_half(instr), "from")):
-                if half is None:
-                    continue
-                peer, tag = half[1], half[2]
-                if peer == a or not 0 <= peer < n:
-                    why = "itself" if peer == a else f"group {peer} (there are {n} groups)"
-                    raise ProgramError(
-                        "bad_peer", f"{_where(a, i, instr)}: message {way} {why}", (a,), i
-                    )
-                if tag < 0:
-                    raise ProgramError(
-                        "bad_tag",
-                        f"{_where(a, i, instr)}: negative tag {tag} (run assign_tags)",
-                        (a,),
-                        i,
-                    )
-
-
-def _check_buffers(g: GroupProgram, check_leaks: bool) -> None:
-    """Walks one group in program order, tracking which buffers are live."""
-    a, avals = g.mpmd_idx, g.aval_map
-    live: dict[int, int] = {}  # buffer -> index of its definition (-1: an input)
-    dead: dict[int, tuple[int, str]] = {}  # buffer -> (index, 'freed' | 'donated')
-
-    def fail(kind: str, i: int | None, msg: str) -> None:
-        where = f"group {a} inputs" if i is None else _where(a, i, g.instrs[i])
-        raise ProgramError(kind, f"{where}: {msg}", (a,), i)
-
-    def use(i: int, b: int) -> None:
-        if b not in live:
-            if b in dead:
-                j, how = dead[b]
-                fail("use_after_free", i, f"%{b} was {how} at #{j} {g.instrs[j]}")
-            fail("undefined", i, f"%{b} is not defined")
-
-    def define(i: int | None, b: int) -> None:
-        if b in live:
-            j = live[b]
-            at = "an input" if j < 0 else f"defined at #{j} {g.instrs[j]}"
-            fail("redefined", i, f"%{b} is still live ({at})")
-        if b not in avals:
-            fail("undefined", i, f"%{b} has no aval")
-        live[b] = -1 if i is None else i
-        dead.pop(b, None)
-
-    def kill(i: int, b: int, how: str) -> None:
-        use(i, b)
-        del live[b]
-        dead[b] = (i, how)
-
-    for b, _ in g.inputs:
-        define(None, b)
-    for i, instr in enumerate(g.instrs):
-        match instr:
-            case Run():
-                for b in instr.ins:
-                    use(i, b)
-                for b in instr.donate:
-                    kill(i, b, "donated")
-                for b in instr.outs:
-                    define(i, b)
-            case Send():
-                use(i, instr.buf)
-            case Recv() | SendRecv():
-                if isinstance(instr, SendRecv):
-                    use(i, instr.send_buf)
-                b = recv_half(instr)[0]
-                define(i, b)
-                if avals[b] != instr.aval:
-                    fail("aval_mismatch", i, f"receives {instr.aval} but %{b} has {avals[b]}")
-            case Free():
-                for b in instr.bufs:
-                    kill(i, b, "freed")
-            case AllReduce():
-                for b in instr.bufs:  # reduced in place: still live, same aval
-                    use(i, b)
-    for b, k in g.outputs:
-        if b not in live:
-            how = f"was {dead[b][1]} at #{dead[b][0]}" if b in dead else "is never defined"
-            raise ProgramError(
-                "use_after_free" if b in dead else "undefined",
-                f"group {a} outputs: output {k} (%{b}) {how}",
-                (a,),
-            )
-    if check_leaks:
-        leaked = sorted(live.keys() - {b for b, _ in g.outputs})
-        if leaked:
-            b, j = leaked[0], live[leaked[0]]
-            at = "an input" if j < 0 else f"defined at #{j} {g.instrs[j]}"
-            names = " ".join(f"%{x}" for x in leaked[:8]) + (" ..." if len(leaked) > 8 else "")
-            raise ProgramError(
-                "leak",
-                f"group {a}: {len(leaked)} buffer(s) never freed and not outputs: {names} "
-                f"(%{b} is {at})",
-                (a,),
-                None if j < 0 else j,
-            )
-
-
-def _check_message_avals(program: Program, matching: Matching) -> None:
-    for g in program.groups:
-        for i, (h, j) in sorted(matching.recv_of[g.mpmd_idx].items()):
-            sent = g.aval(send_half(g.instrs[i])[0])
-            recv = program.groups[h].instrs[j]
-            got = recv_half(recv)[3]
-            if sent.shape != got.shape or sent.dtype != got.dtype:
-                raise ProgramError(
-                    "aval_mismatch",
-                    f"{_where(g.mpmd_idx, i, g.instrs[i])} sends {sent} but "
-                    f"{_where(h, j, recv)} receives {got}",
-                    (g.mpmd_idx, h),
-                    i,
-                )
-
-
-def _check_static(program: Program, check_leaks: bool) -> Matching:
-    _check_peers(program)
-    for g in program.groups:
-        _check_buffers(g, check_leaks)
-    matching = match_messages(program)
-    _check_message_avals(program, matching)
-    return matching
-
-
 # ----------------------------------------------------------------------------- the play
 
 
@@ -354,7 +213,7 @@ def _play(
     record: bool,
 ) -> SimResult:
     """Times the rendezvous play (`rendezvous.play`) of a statically checked program."""
-    matching = _check_static(program, check_leaks)
+    matching = check_static(program, check_leaks)
     n = program.num_groups
     instrs = [g.instrs for g in program.groups]
     now = [0.0] * n  # per group: the time it reached its current instruction
@@ -429,7 +288,7 @@ def posted_order(program: Program) -> Iterator[tuple[bool, int, int, Loc | None]
     stuck = [a for a, mine in enumerate(instrs) if pc[a] < len(mine)]
     if stuck:
         raise ProgramError("deadlock", "posted sends: " + "; ".join(
-            _where(a, pc[a], instrs[a][pc[a]]) for a in stuck), stuck, pc[stuck[0]])
+            locate(a, pc[a], instrs[a][pc[a]]) for a in stuck), stuck, pc[stuck[0]])
 
 
 def _play_posted(
@@ -469,13 +328,14 @@ def _play_posted(
 def verify(program: Program, *, check_leaks: bool = True) -> None:
     """Proves that `program` runs to completion under rendezvous send/recv.
 
-    Checks peers, tags, buffer lifetimes and message avals statically, then plays all
-    groups together (`rendezvous.play`, see `Note: rendezvous play`): Run, Free and
-    AllReduce complete at once; a Send (or a send half) completes only when its
-    destination has reached the matching Recv (or receive half), and the other way
-    round; a SendRecv completes when both halves have. See `Note: program invariants`
-    for the buffer and matching rules checked; an AllReduce uses its buffers (defined,
-    not freed) and leaves them live, and is no message.
+    Checks peers, tags, buffer lifetimes and message avals statically
+    (`checks.check_static`), then plays all groups together (`rendezvous.play`, see
+    `Note: rendezvous play`): Run, Free and AllReduce complete at once; a Send (or a
+    send half) completes only when its destination has reached the matching Recv (or
+    receive half), and the other way round; a SendRecv completes when both halves
+    have. See `Note: program invariants` for the buffer and matching rules checked; an
+    AllReduce uses its buffers (defined, not freed) and leaves them live, and is no
+    message.
 
     Args:
       program: the program.

@@ -24,7 +24,7 @@ Note: message chains.
 
   An "allreduce" op (`allreduce_fn`) runs mpi4jax's `mpi_allreduce_ffi` in the same way,
   over the communicator of its chain (the replica communicator, Note: Pipeline
-  replicas in mesh.py), ordered by the same `order` array as the messages.
+  replicas in comms.py), ordered by the same `order` array as the messages.
 
   Relies on mpi4jax internals (the FFI target names and attributes, the communicator
   and datatype handles) as of mpi4jax 0.9; the MPI tests exercise every path.

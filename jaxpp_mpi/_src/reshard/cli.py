@@ -19,7 +19,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
-from jaxpp_mpi._src.arrays.mesh import _mpi_world_size
+from jaxpp_mpi._src.arrays.comms import _mpi_world_size
 from jaxpp_mpi._src.checkpoint import format as fmt
 from jaxpp_mpi._src.checkpoint import store as ck
 from jaxpp_mpi._src.checkpoint.commit import Ranks, commit_checkpoint

@@ -38,7 +38,7 @@ __all__ = ["Leaf", "ReshardStats", "batches", "mpmd_leaf", "prepare", "spmd_leaf
 #   times larger there (a value initialised block by block, each rank computing its
 #   part only); a target naming the MPMD axis then gives this rank's block. In local
 #   mode `process_local` changes nothing. With pipeline replicas (Note: Pipeline
-#   replicas in mesh.py) each replica reshards over its own pipeline, rank = MPMD index
+#   replicas in comms.py) each replica reshards over its own pipeline, rank = MPMD index
 #   as above, so a rank's block is that of its group in every replica; the input checks
 #   are agreed over the whole job.
 #

@@ -6,7 +6,7 @@ Note: trace format.
   track is an MPI rank of the job (`pid` = rank; local mode: one process, `pid` 0) and
   each thread track an MPMD group (`tid` = group), named by `process_name` /
   `thread_name` metadata events (`"ph": "M"`). With pipeline replicas (Note: Pipeline
-  replicas in mesh.py) every rank of every replica has its track: `pid` is the job
+  replicas in comms.py) every rank of every replica has its track: `pid` is the job
   rank, replica x P + group, the process is named "rank N (replica r)", each slice's
   args carry `replica`, and `otherData.replicas` says R. Every `TraceEvent` (see
   `Note: trace events`) becomes one complete event (`"ph": "X"`): a timed Run has
