@@ -1,55 +1,34 @@
 """Options read once from the environment, then passed down explicitly.
 
-Variables:
-  JAXPP_MPI_STEP_TIMEOUT: the watchdog's deadline per step in seconds; `auto` (default)
-    derives it from the first steps (see `Note: watchdog`); `0` or `off` disables it.
-  JAXPP_MPI_WATCHDOG_FLOOR: the automatic step deadline's floor in seconds once it has
-    learnt from the first steps (default 60; tests set it low).
-  JAXPP_MPI_WATCHDOG_GRACE: seconds between a watchdog report and the abort, so every
-    rank's report gets out (default 5).
-  JAXPP_MPI_DEADLINE: the deadline in seconds of every collective outside the step
-    (`Note: deadlines` in runtime/failure.py); unset: JAXPP_MPI_STEP_TIMEOUT's value
-    when it is a number (`off` there turns deadlines off too), else `auto`: 300 s, and
-    for the collective after a rank's own long work (tracing, compiling) at least 5 x
-    the slowest such work this rank has seen; `0` or `off` disables them.
-  JAXPP_MPI_ABORT_ON_EXCEPTION: `1` (default): in MPI mode an uncaught exception on any
-    rank prints its traceback prefixed with the rank and aborts the whole job; `0`
-    leaves `sys.excepthook` alone.
-  JAXPP_MPI_HEAP_TUNING: `1` (default): the MPI executor keeps large host buffers in the
-    C heap (see `Note: large buffers` in mpi/heap.py); `0` leaves glibc's defaults.
-  JAXPP_MPI_POSTED_SENDS: `1` (default): on CPU, MPI mode posts its sends (non-blocking,
-    `Note: posted sends` in mpi/posted.py) and lowers for them; `0`: blocking sends
-    (message chains), as on other platforms.
-  JAXPP_MPI_STAGED_MESSAGES: `auto` (default): a non-CPU group's messages are *staged*
-    (copied through host memory by a sender and a receiver thread, off the dispatching
-    thread: `Note: staged messages` in mpi/staged.py) unless MPI4JAX_USE_CUDA_MPI is
-    true (MPI then takes device buffers: message chains); CPU groups keep posted
-    sends. `1`: staged on every platform, CPU included; `0`: never (chains, and posted
-    sends on CPU). Staging needs MPI_THREAD_MULTIPLE; with less it falls back to `0`'s
-    path with a warning.
-  JAXPP_MPI_REPLICA_BUCKET_MB: with pipeline replicas, the most MiB of loop outputs
-    (gradients) one all-reduce across replicas carries (default 64, chosen by
-    bench/replicas.py; `0`: one all-reduce per task's results; `Note: replica
-    reductions` in ir/passes.py).
-  JAXPP_MPI_SHARED_COMPILES: `1` (default): in MPI mode ranks that need the same
-    executable compile it once between them (`Note: shared compiles` in
-    shared_compiles.py); `0`: every rank compiles all of its own.
+The variables (`JAXPP_MPI_STEP_TIMEOUT` and the others), their defaults, the values they
+take and what they mean are defined once, in variables.py, which parses them
+(`Note: variable values`); docs/reliability.md's table is generated from there (base/cli.py).
+`parse_options` checks every variable that jaxpp_mpi's Python reads, the launchers'
+included, so that a bad value raises on every rank alike when the options are first
+asked for (an MPI-mode mesh, or the first compile), before any step.
+
+JAXPP_MPI_DEADLINE unset follows JAXPP_MPI_STEP_TIMEOUT: its number of seconds, `off`
+(deadlines off too) or `auto` (300 s, and for the collective after a rank's own long
+work, tracing or compiling, at least 5 x the slowest such work this rank has seen;
+`Note: deadlines` in runtime/failure.py). A timeout of 0 seconds is `off`.
+JAXPP_MPI_STAGED_MESSAGES: see `stages_messages`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import os
 from collections.abc import Mapping
 
-__all__ = ["Options", "options", "parse_options", "stages_messages"]
+from jaxpp_mpi._src.base.variables import AUTO, OFF, VariableError, parse_all
+
+__all__ = ["Options", "VariableError", "options", "parse_options", "stages_messages"]
 
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-    """jaxpp_mpi's run-time options (see the module docstring for the variables).
+    """jaxpp_mpi's run-time options (the variables: variables.py).
 
     Attributes:
       step_timeout_s: a fixed watchdog deadline, or None for the automatic one.
@@ -95,54 +74,6 @@ class Options:
     shared_compiles: bool = True
 
 
-# The largest value each numeric variable takes (a bigger one is a typo, and a deadline
-# or grace period that never ends is a hang): 30 days for deadlines, 10 minutes for the
-# grace between a watchdog's report and the abort, 1 TiB for a replica bucket.
-_MAX_SECONDS = 30 * 24 * 3600.0
-_MAXIMA = {"JAXPP_MPI_WATCHDOG_GRACE": 600.0, "JAXPP_MPI_REPLICA_BUCKET_MB": float(1 << 20)}
-_UNITS = {"JAXPP_MPI_REPLICA_BUCKET_MB": "MiB"}
-
-
-def _float(env: Mapping[str, str], name: str, default: float) -> float:
-    """A finite number from 0 to the variable's maximum (`_MAXIMA`, else 30 days in
-    seconds), or `default` when unset or empty.
-
-    Raises:
-      ValueError: naming the variable, its value and the range it takes.
-    """
-    raw = env.get(name, "").strip()
-    if not raw:
-        return default
-    top = _MAXIMA.get(name, _MAX_SECONDS)
-    unit = _UNITS.get(name, "seconds")
-    try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
-    if not (0 <= value <= top):  # also refuses nan and inf
-        raise ValueError(f"{name}={raw!r}: use a number of {unit} from 0 to {top:g}")
-    return value
-
-
-def _flag(env: Mapping[str, str], name: str) -> bool:
-    raw = env.get(name, "1").strip().lower() or "1"
-    if raw not in ("0", "1", "true", "false", "yes", "no", "on", "off"):
-        raise ValueError(f"{name}={raw!r}: use 1 or 0")
-    return raw in ("1", "true", "yes", "on")
-
-
-_STAGED = {"auto": "auto", "1": "1", "true": "1", "yes": "1", "on": "1",
-           "0": "0", "false": "0", "no": "0", "off": "0"}
-
-
-def _staged(env: Mapping[str, str]) -> str:
-    """JAXPP_MPI_STAGED_MESSAGES as "auto", "1" or "0"."""
-    raw = env.get("JAXPP_MPI_STAGED_MESSAGES", "auto").strip().lower() or "auto"
-    if raw not in _STAGED:
-        raise ValueError(f"JAXPP_MPI_STAGED_MESSAGES={raw!r}: use auto, 1 or 0")
-    return _STAGED[raw]
-
-
 def stages_messages(options: Options, platform: str) -> bool:
     """Whether MPI mode stages the messages of a group on `platform` (`Note: staged
     messages` in mpi/staged.py), as JAXPP_MPI_STAGED_MESSAGES says: `auto` off CPU
@@ -153,42 +84,44 @@ def stages_messages(options: Options, platform: str) -> bool:
     return options.staged_messages == "1"
 
 
-def _timeout(env: Mapping[str, str], name: str) -> tuple[bool, float | None]:
-    """(enabled, fixed seconds or None for automatic) from a timeout variable."""
-    raw = env.get(name, "auto").strip().lower() or "auto"
-    if raw in ("0", "off", "none"):
+def _timeout(value: str | float) -> tuple[bool, float | None]:
+    """(enabled, fixed seconds or None for automatic) from a timeout's parsed value."""
+    if value == OFF or value == 0:
         return False, None
-    if raw == "auto":
+    if value == AUTO:
         return True, None
-    return True, _float(env, name, 0.0)
+    return True, float(value)
 
 
 def parse_options(env: Mapping[str, str]) -> Options:
-    """The options set by `env` (an environment mapping).
+    """The options set by `env` (an environment mapping), every variable that
+    jaxpp_mpi's Python reads checked (`variables.parse_all`).
 
     Raises:
-      ValueError: naming the variable whose value is malformed.
+      VariableError: (a ValueError) naming the first variable whose value is malformed,
+        its value and what it takes.
     """
-    watchdog, step_timeout = _timeout(env, "JAXPP_MPI_STEP_TIMEOUT")
-    if env.get("JAXPP_MPI_DEADLINE", "").strip():
-        deadlines, deadline = _timeout(env, "JAXPP_MPI_DEADLINE")
-    else:  # follows the step timeout
+    v = parse_all(env)
+    watchdog, step_timeout = _timeout(v["JAXPP_MPI_STEP_TIMEOUT"])
+    if v["JAXPP_MPI_DEADLINE"] is None:  # follows the step timeout
         deadlines, deadline = watchdog, step_timeout
+    else:
+        deadlines, deadline = _timeout(v["JAXPP_MPI_DEADLINE"])
     return Options(
         step_timeout_s=step_timeout,
         watchdog=watchdog,
-        auto_floor_s=_float(env, "JAXPP_MPI_WATCHDOG_FLOOR", 60.0),
+        auto_floor_s=v["JAXPP_MPI_WATCHDOG_FLOOR"],
         deadlines=deadlines,
         deadline_s=deadline,
-        watchdog_grace_s=_float(env, "JAXPP_MPI_WATCHDOG_GRACE", 5.0),
-        abort_on_exception=_flag(env, "JAXPP_MPI_ABORT_ON_EXCEPTION"),
-        heap_tuning=_flag(env, "JAXPP_MPI_HEAP_TUNING"),
-        replica_bucket_bytes=int(_float(env, "JAXPP_MPI_REPLICA_BUCKET_MB", 64.0) * (1 << 20)),
-        posted_sends=_flag(env, "JAXPP_MPI_POSTED_SENDS"),
-        staged_messages=_staged(env),
+        watchdog_grace_s=v["JAXPP_MPI_WATCHDOG_GRACE"],
+        abort_on_exception=v["JAXPP_MPI_ABORT_ON_EXCEPTION"],
+        heap_tuning=v["JAXPP_MPI_HEAP_TUNING"],
+        replica_bucket_bytes=int(v["JAXPP_MPI_REPLICA_BUCKET_MB"] * (1 << 20)),
+        posted_sends=v["JAXPP_MPI_POSTED_SENDS"],
+        staged_messages=v["JAXPP_MPI_STAGED_MESSAGES"],
         # mpi4jax's own reading (decorators._is_truthy: lower-cased, not stripped)
         cuda_mpi=env.get("MPI4JAX_USE_CUDA_MPI", "").lower() in ("1", "true", "on"),
-        shared_compiles=_flag(env, "JAXPP_MPI_SHARED_COMPILES"),
+        shared_compiles=v["JAXPP_MPI_SHARED_COMPILES"],
     )
 
 

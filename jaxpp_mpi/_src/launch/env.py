@@ -3,7 +3,9 @@
 The one home of the launchers' variable names, shared by jpprun (which writes the
 environment every rank starts with), `jaxpp_mpi.launch` (which reads it on each rank) and
 the settings `import jaxpp_mpi` applies (Note: Settings at import in auto.py), with the
-facts about the node they read (its GPUs, the cores it gives the job).
+facts about the node they read (its GPUs, the cores it gives the job). Our own
+`JAXPP_MPI_*` variables are defined and parsed in base/variables.py; here a malformed one
+is a BindError naming it (`our_variable`).
 
 Note: Local rank detection.
   Every launcher tells a process where it sits on its node through the environment, each
@@ -35,6 +37,9 @@ import sys
 from collections.abc import Mapping
 from typing import NamedTuple
 
+from jaxpp_mpi._src.base import variables
+
+# Defined and parsed, with their ranges, in base/variables.py (`Note: variable values`).
 THREADS_PER_RANK_ENV = "JAXPP_MPI_THREADS_PER_RANK"
 GPUS_PER_RANK_ENV = "JAXPP_MPI_GPUS_PER_RANK"
 # `0`/`off`: `import jaxpp_mpi` leaves the rank's settings alone (Note: Settings at import).
@@ -55,8 +60,6 @@ _SINGLE_THREAD_XLA = ("--xla_cpu_multi_thread_eigen=false",
                       "--xla_cpu_enable_concurrency_optimized_scheduler=false")
 _NVIDIA_GPUS_DIR = "/proc/driver/nvidia/gpus"
 _CGROUP_ROOT = "/sys/fs/cgroup"
-_ON = ("1", "true", "yes", "on")
-_OFF = ("0", "false", "no", "off")
 
 
 class LauncherVars(NamedTuple):
@@ -103,21 +106,37 @@ class LocalRank:
     launcher: str
 
 
+def our_variable(env: Mapping[str, str], name: str) -> object:
+    """The value of our variable `name` in `env`, parsed by its definition in
+    base/variables.py (None when it is absent, for those without a default).
+
+    Raises:
+      BindError: naming the variable, its value and what it takes.
+    """
+    try:
+        return variables.variable(name).parse(env)
+    except variables.VariableError as e:
+        raise BindError(str(e)) from None
+
+
 def env_int(env: Mapping[str, str], name: str | None) -> int | None:
     """The integer value of variable `name` in `env`, or None when it is absent.
 
     Args:
       env: the environment.
-      name: the variable (None: absent).
+      name: the variable (None: absent); one of ours (`JAXPP_MPI_*`) is parsed by its
+        definition (`our_variable`), in its range.
 
     Returns:
       Its value as an int, or None.
 
     Raises:
-      BindError: when the value is not an integer.
+      BindError: when the value is not an integer, or one of ours is out of its range.
     """
     if name is None or name not in env:
         return None
+    if name.startswith("JAXPP_MPI_"):
+        return our_variable(env, name)  # type: ignore[return-value]
     try:
         return int(env[name])
     except ValueError:
@@ -282,7 +301,7 @@ def threads_from_env(env: Mapping[str, str]) -> int | None:
       `$SLURM_CPUS_PER_TASK` (the cores Slurm gave each task), else None.
 
     Raises:
-      BindError: when the value is not an integer.
+      BindError: when the value is not an integer, or ours is out of its range.
     """
     return env_int(env, THREADS_PER_RANK_ENV) or env_int(env, "SLURM_CPUS_PER_TASK")
 
@@ -294,16 +313,13 @@ def auto_settings_enabled(env: Mapping[str, str]) -> bool:
       env: the environment.
 
     Returns:
-      False for `0`, `false`, `no` or `off`; True when unset, empty, or `1`, `true`,
-      `yes`, `on`.
+      False for `0`, `false`, `no` or `off`; True when unset, or `1`, `true`, `yes`,
+      `on`.
 
     Raises:
-      BindError: on any other value.
+      BindError: on any other value, the empty one included.
     """
-    raw = env.get(AUTO_SETTINGS_ENV, "").strip().lower() or "1"
-    if raw not in _ON + _OFF:
-        raise BindError(f"{AUTO_SETTINGS_ENV}={env[AUTO_SETTINGS_ENV]!r}: use 1 or 0")
-    return raw in _ON
+    return bool(our_variable(env, AUTO_SETTINGS_ENV))
 
 
 def visible_gpus(env: Mapping[str, str], node_gpus: int) -> list[str]:

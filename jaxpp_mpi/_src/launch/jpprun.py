@@ -1,7 +1,9 @@
 """Builds the MPI launcher command line for `launch/jpprun` (stdlib only, no JAX, no MPI).
 
-`launch/jpprun` runs this file as a script by path; it imports only the standard library
-and `env.py` (stdlib only too), so it starts in milliseconds.
+`launch/jpprun` runs this file as a script by path; it imports only the standard library,
+`env.py` and base/variables.py (stdlib only too), so it starts in milliseconds. A
+malformed `$JAXPP_MPI_THREADS_PER_RANK` or `$JAXPP_MPI_GPUS_PER_RANK` ends it with the
+variable's message and status 2 before anything starts; the ranks check the others.
 
 Note: Launcher settings.
   Everything a workstation launch needs lives here and nowhere else:
@@ -243,7 +245,15 @@ def with_abort_on_error(command: Sequence[str], python: str) -> list[str]:
     return head + ["-m", "mpi4py"] + rest
 
 
-def _parse(argv: Sequence[str]) -> argparse.Namespace:
+def _parse(argv: Sequence[str], env: Mapping[str, str]) -> argparse.Namespace:
+    """jpprun's command line; the defaults of its counts come from `env`.
+
+    Raises:
+      BindError: when `$JAXPP_MPI_THREADS_PER_RANK` or `$JAXPP_MPI_GPUS_PER_RANK` is
+        malformed (naming it, its value and what it takes).
+    """
+    threads = launch_env.env_int(env, THREADS_PER_RANK_ENV)
+    gpus = launch_env.env_int(env, GPUS_PER_RANK_ENV)
     parser = argparse.ArgumentParser(
         prog="jpprun",
         description="Start a jaxpp_mpi program under MPI, one pipeline group per rank.",
@@ -254,14 +264,13 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument(
         "--threads-per-rank",
         type=int,
-        default=int(os.environ.get(THREADS_PER_RANK_ENV, "1")),
+        default=1 if threads is None else threads,
         help=f"compute threads per rank (default 1, or ${THREADS_PER_RANK_ENV})",
     )
     parser.add_argument(
         "--gpus-per-rank",
         type=int,
-        default=(int(os.environ[GPUS_PER_RANK_ENV]) if GPUS_PER_RANK_ENV in os.environ
-                 else None),
+        default=gpus,
         help="GPUs per rank, bound by local rank (default: the visible GPUs shared "
              f"evenly, or ${GPUS_PER_RANK_ENV}; 0: CPU only)",
     )
@@ -310,7 +319,11 @@ def run_forwarding_signals(argv: Sequence[str], env: Mapping[str, str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of `launch/jpprun`."""
-    args = _parse(sys.argv[1:] if argv is None else argv)
+    try:
+        args = _parse(sys.argv[1:] if argv is None else argv, os.environ)
+    except launch_env.BindError as e:
+        print(f"jpprun: {e}", file=sys.stderr)
+        return 2
     command = list(args.command)
     if command and command[0] == "--":
         command = command[1:]

@@ -10,14 +10,14 @@ from jaxpp_mpi._src.ir.simulate import runtime_sends
 
 
 @pytest.mark.parametrize("value, parsed", [
-    (None, "auto"), ("", "auto"), ("auto", "auto"), (" AUTO ", "auto"), ("1", "1"),
+    (None, "auto"), ("auto", "auto"), (" AUTO ", "auto"), ("1", "1"),
     ("on", "1"), ("true", "1"), ("0", "0"), ("off", "0"), ("False", "0")])
 def test_option_values(value, parsed):
     env = {} if value is None else {"JAXPP_MPI_STAGED_MESSAGES": value}
     assert parse_options(env).staged_messages == parsed
 
 
-@pytest.mark.parametrize("value", ["2", "staged", "cuda"])
+@pytest.mark.parametrize("value", ["2", "staged", "cuda", ""])
 def test_a_bad_value_names_the_variable_and_its_values(value):
     with pytest.raises(ValueError, match=r"JAXPP_MPI_STAGED_MESSAGES=.*use auto, 1 or 0"):
         parse_options({"JAXPP_MPI_STAGED_MESSAGES": value})
