@@ -10,6 +10,7 @@ import pytest
 from jax.sharding import AbstractMesh, AxisType, Mesh
 
 from jaxpp_mpi._src.arrays import comms as comms_mod
+from jaxpp_mpi._src.arrays import make_mesh as make_mesh_mod
 from jaxpp_mpi._src.arrays import mesh as mesh_mod
 from jaxpp_mpi._src.arrays.make_mesh import make_mpmd_mesh
 from jaxpp_mpi._src.arrays.mesh import MpmdMesh
@@ -422,6 +423,9 @@ def test_make_mpmd_mesh_under_multi_rank_job_checks_rank_count(monkeypatch):
     # A 4-rank job whose mesh wants 2 groups: refused before any communicator is made.
     monkeypatch.setattr(comms_mod, "_mpi_world_size", lambda: 4)
     monkeypatch.setattr(comms_mod, "_default_comm", lambda: pytest.fail("dup called"))
+    # the ranks' arguments agree (a stand-in without allgather: this rank's alone), and
+    # MPI is never started in the test process
+    monkeypatch.setattr(make_mesh_mod, "_world_comm", lambda: object())
     with pytest.raises(ValueError, match="mesh wants 2 groups .* job has 4 ranks"):
         make_mpmd_mesh((2, 4), ("stage", "data"), "stage")
 

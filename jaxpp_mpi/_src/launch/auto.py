@@ -30,6 +30,9 @@ Note: Settings at import.
   exist (the script asked for devices before importing jaxpp_mpi), nothing changes and
   rank 0 warns once, naming what is missing and the fixes. An explicit
   `bind_local_devices()` first undoes what was applied here, then decides itself.
+  On every platform, in a job of several ranks, it also installs the abort-on-exception
+  hook, so that a rank failing before the mesh exists ends the job under any launcher
+  (`Note: abort before the mesh` in abort.py; JAXPP_MPI_ABORT_ON_EXCEPTION=0: not).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import sys
 import warnings
 from collections.abc import Mapping, Sequence
 
+from jaxpp_mpi._src.launch.abort import install_at_import
 from jaxpp_mpi._src.launch.bind import plan_binding
 from jaxpp_mpi._src.launch.env import (
     AUTO_SETTINGS_ENV,
@@ -209,7 +213,8 @@ def _backends_started() -> bool:
 def apply_auto_settings() -> AutoSettings | None:
     """Applies this rank's settings (Note: Settings at import); `import jaxpp_mpi` calls it.
 
-    Reads this process's facts, plans with `plan_auto_settings` and applies the plan to
+    Installs the abort hook (`abort.install_at_import`), reads this process's facts,
+    plans with `plan_auto_settings` and applies the plan to
     `os.environ` and the affinity mask, unless JAX's backends already exist: then it
     changes nothing and rank 0 warns (`too_late_warning`). A launcher environment it
     cannot read is a warning too, never an error: importing jaxpp_mpi must not fail.
@@ -218,6 +223,7 @@ def apply_auto_settings() -> AutoSettings | None:
       The settings planned, or None when none could be applied.
     """
     global _applied
+    install_at_import()  # the abort hook, on every platform
     if not hasattr(os, "sched_getaffinity"):  # not Linux: nothing to bind with
         return None
     try:

@@ -33,6 +33,7 @@ __all__ = [
     "scatter",
     "send",
     "sendrecv",
+    "world",
     "world_dup",
 ]
 
@@ -40,6 +41,12 @@ __all__ = [
 def world_dup() -> MPI.Comm:
     """A duplicate of COMM_WORLD, so user MPI traffic never mixes with the runtime's."""
     return MPI.COMM_WORLD.Dup()
+
+
+def world() -> MPI.Comm:
+    """COMM_WORLD itself, for a collective that must come before any communicator is
+    made (`make_mpmd_mesh`'s argument agreement)."""
+    return MPI.COMM_WORLD
 
 
 def send(x: jax.Array, dst: int, tag: int, comm: MPI.Comm) -> None:

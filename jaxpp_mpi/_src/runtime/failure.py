@@ -7,7 +7,10 @@ Note: abort on exception.
   `threading.excepthook` wrappers (once, when the first MPI-mode mesh hands its
   communicator to `runtime.mpi.adopt_comm`; opt out with JAXPP_MPI_ABORT_ON_EXCEPTION=0):
   the traceback is printed once, every line prefixed with `[rank r]`, then `MPI_Abort`
-  ends every rank with a non-zero status.
+  ends every rank with a non-zero status. In a job whose launcher says it has several
+  ranks, `import jaxpp_mpi` has installed them already, so that a rank failing before
+  or inside `make_mpmd_mesh` ends the job too, MPI started or not (`Note: abort before
+  the mesh` in launch/abort.py, where the hooks live).
 
 Note: watchdog.
   A stalled peer (a stuck stage, a lost node that the launcher does not notice) would
@@ -36,6 +39,7 @@ Note: watchdog.
 
 Note: deadlines.
   Outside a step a stalled or lost peer leaves the others blocked in a collective:
+  `make_mpmd_mesh`'s argument agreement and communicators (arrays/make_mesh.py),
   program agreement and the compile barrier (agree.py), `PreemptionGuard.should_stop`,
   a checkpoint's and a reshard's collectives, the user's own MPI calls between steps.
   Each of these waits inside `deadline(label, comm)`, which registers (label, start,
@@ -57,57 +61,18 @@ import contextlib
 import sys
 import threading
 import time
-import traceback
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from jaxpp_mpi._src.base import config
 from jaxpp_mpi._src.base.config import Options
+from jaxpp_mpi._src.launch.abort import install_abort_on_exception as install_abort_on_exception
+from jaxpp_mpi._src.launch.abort import prefixed as _prefixed
 from jaxpp_mpi._src.schedules.tasks import describe_label as describe_task
 
 __all__ = ["Watchdog", "deadline", "deadline_s", "describe_task",
            "install_abort_on_exception", "record_work"]
-
-_installed = False
-
-
-def _prefixed(rank: int, text: str) -> str:
-    return "".join(f"[rank {rank}] {line}\n" for line in text.splitlines())
-
-
-def install_abort_on_exception(rank: int, abort: Callable[[int], None]) -> None:
-    """Installs the hooks of `Note: abort on exception` (only the first call does).
-
-    Args:
-      rank: this process's rank, for the prefix.
-      abort: ends the whole job with the given status (e.g. `comm.Abort`).
-    """
-    global _installed
-    if _installed:
-        return
-    _installed = True
-    previous_thread_hook = threading.excepthook
-
-    def hook(exc_type, exc, tb) -> None:
-        if issubclass(exc_type, SystemExit):
-            return
-        text = "".join(traceback.format_exception(exc_type, exc, tb))
-        sys.stderr.write(_prefixed(rank, text))
-        sys.stderr.write(f"[rank {rank}] jaxpp_mpi: aborting the MPI job after an "
-                         f"uncaught {exc_type.__name__} on rank {rank}\n")
-        sys.stderr.flush()
-        abort(1)
-
-    def thread_hook(args) -> None:
-        if args.exc_type is SystemExit:
-            previous_thread_hook(args)
-            return
-        hook(args.exc_type, args.exc_value, args.exc_traceback)
-
-    sys.excepthook = hook
-    threading.excepthook = thread_hook
-
 
 _POLL_S = 0.25
 _watched: weakref.WeakSet[Watchdog] = weakref.WeakSet()
