@@ -41,7 +41,8 @@ test-unit: $(PY)
 
 # -n 4 repeats what more ranks change (pipelines, transport, meshes, reshard, keys across
 # stages, fuzz); bad input, the call surface, constraints, arrays, traces, task times and
-# mismatched programs check each rank's own view or the agreement of all ranks, already
+# mismatched programs and the checkpoint lock's refusal check each rank's own view or the
+# agreement of all ranks, already
 # whole at -n 2; the shard-by-shard exchange uses ranks 0 and 1 only; the MLP's parity is
 # the transformer's on a smaller model, and the fuzz runs random MLP pipelines at -n 4.
 # Of the transformer's every-schedule parity, -n 4 keeps 1F1B, Interleaved (two stages
@@ -52,7 +53,7 @@ test-unit: $(PY)
 # threads, order and donation guard are per rank and per channel) run at -n 2 only.
 N4_SKIP = bad_input_mpi or call_surface_mpi or sharding_constraint_mpi or array_mpi or \
           trace_mpi or task_times or mismatched_programs or values_move or mlp_parity or \
-          sharded_replicas or donated_later or \
+          sharded_replicas or donated_later or checkpoint_lock or \
           (transformer_parity_every_schedule and (gpipe or eager1f1b or kimik2)) or \
           (random_dropout_parity_mpi and (interleaved or zerobubble)) or \
           staged

@@ -175,3 +175,28 @@ def test_retarget_rejects_a_sharding_no_group_can_apply(other, message):
     closed = jax.make_jaxpr(fn)(jnp.ones((8, 2)))
     with pytest.raises(CompileError, match=message):
         retarget_jaxpr(closed.jaxpr, _mesh("auto"), "stage")
+
+
+# Constraints jax.jit accepts although they cannot split evenly, or name the MPMD axis:
+# XLA pads the last shard (3 rows over "data" of 2, or over "stage" of 2), and the MPMD
+# axis spreads the value across the groups' devices under jax.jit, while here each group
+# holds it whole along that dimension. Either way the step computes what jax.jit computes
+# on the user's whole mesh (`Note: sharding constraints`).
+@pytest.mark.parametrize("spec", [P("data"), P(None, "data"), P("stage"), P(("stage", "data"))],
+                         ids=["uneven-data", "uneven-data-width", "mpmd-axis", "both"])
+def test_uneven_and_mpmd_axis_constraints_match_jit(spec):
+    mesh = _mesh("auto")
+    sched = schedule("1f1b", 2)
+    params, batch, _ = mlp(sched.num_stages, 4, width=5, rows=3)
+    constrain = lambda x: jax.lax.with_sharding_constraint(x, spec)
+    step, optimizer = make_step(constrained_mlp_loss(constrain), sched)
+    opt_state = optimizer.init(params)
+    with jax.set_mesh(mesh):
+        reference = run_steps(jax.jit(step), opt_state, params, batch)
+    pipelined = jp.mpmd_jit_with_loop(step, mpmd_mesh=jp.MpmdMesh(mesh, "stage"))
+    compiled = pipelined.compile(opt_state, params, batch)
+    outs = run_steps(compiled, opt_state, params, batch)
+    assert assert_close_to_reference(reference, outs) == len(jax.tree.leaves(reference))
+    if spec == P("data"):  # as under jax.jit: each device computes 2 of the 3 rows, padded
+        dots = re.findall(r"= f32\[(\d+),5\]\S* dot\(", compiled.as_text(0, "F0"))
+        assert {int(rows) for rows in dots} == {2}

@@ -165,6 +165,29 @@ def test_share_read_outside_the_loop_is_refused_on_every_rank(meshes):
 
 
 @pytest.mark.mpi(min_size=4)
+def test_share_split_on_another_dimension_is_refused_on_every_rank(meshes):
+    """The batch's rows split over the replicas (dimension 1) while treduce takes the
+    microbatches along dimension 0: every rank raises, naming the argument's path, the
+    replica axis, the shapes and the spec to give instead, before any message."""
+    from jax.sharding import PartitionSpec as P
+
+    mesh = meshes[2]
+    step, opt, params, batch = _problem(mesh, "1f1b", 4)
+    rows = batch[0].shape[1] // 2
+    r = mesh.replica_idx
+    mine = jax.tree.map(lambda x: x[:, r * rows:(r + 1) * rows], batch)
+    fn = jaxpp_mpi.mpmd_jit_with_loop(step, mpmd_mesh=mesh,
+                                      in_shardings=(None, None, P(None, "replica")))
+    with pytest.raises(jaxpp_mpi.CompileError) as info:
+        fn(opt.init(params), params, mine)
+    text = str(info.value)
+    wanted = ["argument args[2][", "dimension 1", "'replica'", "P('replica')",
+              str(tuple(batch[0].shape)), str((4, rows, batch[0].shape[2]))]
+    missing = [w for w in wanted if w not in text]
+    _everywhere(not missing, f"rank {RANK}: {missing} not in {text}")
+
+
+@pytest.mark.mpi(min_size=4)
 def test_a_signal_to_one_replica_stops_every_replica(meshes):
     """Preemption decides over the whole job: a SIGUSR1 caught by the last rank alone
     (a rank of replica 1) makes should_stop() true on every rank of both replicas."""

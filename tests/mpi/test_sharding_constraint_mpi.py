@@ -100,3 +100,28 @@ def test_explicit_named_sharding_raises_on_every_rank(meshes):
     with pytest.raises(CompileError, match=r"Explicit mesh axis.*bare PartitionSpec"):
         pipelined.compile(optimizer.init(params), params, batch)
     _everywhere(True)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("spec", ["data", "stage", "both"])
+def test_uneven_and_mpmd_axis_constraints_match_jit(meshes, spec):
+    """Constraints jax.jit accepts although they cannot split evenly (3 rows over the
+    MPMD axis of SIZE ranks; over "data" with K = 2 devices per rank) or name the MPMD
+    axis: every rank's results equal jax.jit's (`Note: sharding constraints`). The
+    reference runs on this rank's devices, under a mesh with both axis names."""
+    from jax.sharding import PartitionSpec as P
+
+    entry = {"data": "data", "stage": "stage", "both": ("stage", "data")}[spec]
+    sched = schedule("1f1b", SIZE)
+    params, batch, _ = mlp(sched.num_stages, 2 * SIZE, width=5, rows=3)
+    constrain = lambda x: jax.lax.with_sharding_constraint(x, P(entry))
+    step, optimizer = make_step(constrained_mlp_loss(constrain), sched)
+    opt_state = optimizer.init(params)
+    local = jax.make_mesh((1, K), ("stage", "data"), axis_types=(AxisType.Auto,) * 2,
+                          devices=jax.local_devices())
+    with jax.set_mesh(local):
+        reference = run_steps(jax.jit(step), opt_state, params, batch)
+    pipelined = jaxpp_mpi.mpmd_jit_with_loop(step, mpmd_mesh=meshes["auto"])
+    compared = assert_close_to_reference(reference, run_steps(pipelined, opt_state, params,
+                                                              batch))
+    _everywhere(compared > 0, f"rank {RANK}: compared {compared} leaves")

@@ -3,6 +3,8 @@
 Note: Atomic commit.
   A checkpoint directory appears at its path only once complete (format: Note:
   Checkpoint format in checkpoint/format.py):
+  0. rank 0 takes the save lock of NAME (Note: Save lock in checkpoint/lock.py), held
+     until step 3 is done or the save failed: a save finding it held is refused;
   1. rank 0 creates `.NAME.tmp-TOKEN/` next to the target NAME (removing stale temp
      dirs of the same target first) and broadcasts its name, or its error;
   2. every rank writes the .npy files of the leaves it owns into it, one leaf per
@@ -15,9 +17,9 @@ Note: Atomic commit.
   NAME removes; a crash between the two renames leaves no NAME but the previous
   checkpoint at `.NAME.old-TOKEN` and the new, complete one (manifest written) at
   `.NAME.tmp-TOKEN`. `recover` (run by rank 0 before every save, and by
-  `checkpoint.find` before a resume) renames the newest complete one of those (highest
-  step; the temp dir on a tie) to NAME. On an error rank 0 removes the temp dir and
-  every rank raises.
+  `checkpoint.find` before a resume, under the save lock) renames the newest complete one
+  of those (highest step; the temp dir on a tie) to NAME. On an error rank 0 removes the
+  temp dir and every rank raises.
 
   Never backwards: with `overwrite`, a save whose step is lower than the step of the
   checkpoint at NAME is refused (CheckpointError on every rank, NAME unchanged): a run
@@ -37,6 +39,7 @@ import numpy as np
 
 from jaxpp_mpi._src.base.types import Comm
 from jaxpp_mpi._src.checkpoint import format as fmt
+from jaxpp_mpi._src.checkpoint import lock as save_lock
 from jaxpp_mpi._src.checkpoint.format import CheckpointError, Manifest
 from jaxpp_mpi._src.runtime import agree
 from jaxpp_mpi._src.runtime.failure import deadline, record_work
@@ -144,16 +147,9 @@ def _complete(path: str) -> Manifest | None:
     return None
 
 
-def recover(target: str) -> Manifest | None:
-    """Completes a save interrupted between its two renames (see Note: Atomic commit);
-    returns the manifest of the checkpoint now at `target`, or None if there is none.
-
-    Rank 0 only (file system work): when `target` is missing, the newest complete one of
-    `.NAME.tmp-*` and `.NAME.old-*` (highest step; the temp dir on a tie) is renamed to
-    `target`.
-    """
-    if os.path.lexists(target):
-        return _complete(target)
+def _interrupted(target: str) -> list[tuple[int, int, str]]:
+    """(step, 1 for a temp dir / 0 for an old one, path) of every complete checkpoint an
+    interrupted save left beside `target`."""
     parent, name = os.path.split(target)
     found = []
     for kind, pattern in ((1, ".tmp-"), (0, ".old-")):
@@ -162,18 +158,45 @@ def recover(target: str) -> Manifest | None:
             if manifest is not None:
                 step = manifest.step if manifest.step is not None else -1
                 found.append((step, kind, d))
-    if not found:
+    return found
+
+
+def recover(target: str, *, locked: bool = False) -> Manifest | None:
+    """Completes a save interrupted between its two renames (see Note: Atomic commit);
+    returns the manifest of the checkpoint now at `target`, or None if there is none.
+
+    Rank 0 only (file system work): when `target` is missing, the newest complete one of
+    `.NAME.tmp-*` and `.NAME.old-*` (highest step; the temp dir on a tie) is renamed to
+    `target`, under the save lock (Note: Save lock).
+
+    Args:
+      target: the checkpoint's absolute path.
+      locked: the caller holds the save lock already (a save's step 1).
+
+    Raises:
+      CheckpointError: another save holds the lock while there is something to rename.
+    """
+    if os.path.lexists(target):
+        return _complete(target)
+    if not _interrupted(target):
         return None
-    os.rename(max(found)[2], target)
-    _fsync_dir(parent)
-    return _complete(target)
+    lock = None if locked else save_lock.acquire(target)
+    try:
+        found = _interrupted(target)  # again, under the lock
+        if os.path.lexists(target) or not found:
+            return _complete(target) if os.path.lexists(target) else None
+        os.rename(max(found)[2], target)
+        _fsync_dir(os.path.dirname(target))
+        return _complete(target)
+    finally:
+        if lock is not None:
+            save_lock.release(lock)
 
 
 def _prepare(target: str, overwrite: bool, step: int | None) -> str:
     """Rank 0, step 1 of Note: Atomic commit; returns the temp dir."""
     parent, name = os.path.split(target)
-    os.makedirs(parent, exist_ok=True)
-    current = recover(target)
+    current = recover(target, locked=True)
     for old in glob.glob(os.path.join(parent, glob.escape(f".{name}.old-") + "*")):
         shutil.rmtree(old, ignore_errors=True)
     if os.path.lexists(target):
@@ -251,14 +274,30 @@ def commit_checkpoint(
       `path` is then unchanged.
     """
     target = os.path.abspath(path)
-    tmp, error = None, None
+    tmp, error, lock = None, None, None
     if ranks.rank == 0:
         try:
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            lock = save_lock.acquire(target)
             tmp = _prepare(target, overwrite, manifest.step)
         except Exception as e:  # noqa: BLE001 - sent to every rank, raised there
             error = e
+            if lock is not None:
+                save_lock.release(lock)
+                lock = None
     tmp, message = ranks.bcast((tmp, agree.describe(error)))
     ranks.raise_gathered([message], error)
+    try:
+        return _write_and_finish(target, tmp, manifest, mine, ranks, progress)
+    finally:
+        if lock is not None:
+            save_lock.release(lock)
+
+
+def _write_and_finish(target: str, tmp: str, manifest: Manifest,
+                      mine: Sequence[tuple[int, Producer]], ranks: Ranks,
+                      progress: Callable[[int, int], None] | None) -> tuple[int, int]:
+    """Steps 2 and 3 of Note: Atomic commit (`commit_checkpoint`'s)."""
     try:
         arrays = total = 0
         ranks.expect_io(max((leaf.nbytes for leaf in manifest.leaves), default=0))

@@ -450,7 +450,8 @@ def build_step(
     if replica_dims is not None and any(d is not None for d in replica_dims):
         arg_names = arg_names or [f"#{j}" for j in range(len(replica_dims))]
         split, shares = replicas.localize_split(split, jaxpr, loop, num_consts, replica_dims,
-                                                num_replicas, arg_names)
+                                                num_replicas, arg_names,
+                                                getattr(mesh, "replica_axis_name", None))
     loop_homes = assign_loop_homes(split, schedule, len(loop.invars))
     homes = assign_outer_homes(jaxpr, loop_index, loop_homes.invariant_groups,
                                loop_homes.out_groups)

@@ -136,7 +136,12 @@ def add_reductions(program: Program, buffer_names: Sequence[Mapping[int, Value]]
 #   slice lies in the replica's own block, as the microbatches a replica runs do
 #   (`Note: replicas`: replica r runs microbatches r*n/R..). treduce's `xs` and `x[i]`
 #   in a `treduce_i` body read so; any other use (outside the loop, or another
-#   operation on the whole argument) is refused by name.
+#   operation on the whole argument) is refused by name, and so is a slice that does not
+#   lie within one share (the replica axis named on another dimension than the one the
+#   microbatches are taken from): the error names the argument's path, the replica axis,
+#   the global and share shapes and the spec to give instead. Tracing and this rewrite
+#   happen while the step compiles, which every rank does before any message, so every
+#   rank raises it (`Note: raise on every rank`).
 
 
 def split_dim(spec: Sequence | None, replica_axis: str | None) -> int | None:
@@ -164,24 +169,65 @@ def split_dim(spec: Sequence | None, replica_axis: str | None) -> int | None:
     return dims[0] if dims else None
 
 
-def localize(closed: Any, split: Mapping[int, tuple[int, int]], where: str) -> Any:
+def _misread(subject: str, shape: Sequence[int], d: int, size: int,
+             sizes: Sequence[int], replica_axis: str | None) -> CompileError:
+    """The error for a share read by a `dynamic_slice` no replica's share can serve
+    (`Note: replica shares`): slices of `sizes` of the global `shape`, split on `d`."""
+    axis = replica_axis or "replica"
+    share = (*shape[:d], size, *shape[d + 1:])
+    head = (f"{subject} is split over the pipeline replicas on dimension {d} (its "
+            f"in_shardings name the replica axis {axis!r} there): the global array has "
+            f"shape {tuple(shape)}, each replica passes a share of shape {share}")
+    read = [k for k, (n, s) in enumerate(zip(sizes, shape)) if n < s]
+    if sizes[d] > size and read and d not in read:
+        k = read[0]
+        spec = ", ".join(repr(axis) if j == k else "None" for j in range(k + 1))
+        return CompileError(
+            f"{head}, but the loop reads it one microbatch at a time along dimension {k} "
+            f"(slices of shape {tuple(sizes)}), each slice spanning the whole of dimension "
+            f"{d}, which no replica holds: name the replica axis on dimension {k}, the one "
+            f"the microbatches are taken from (in_shardings P({spec})), and pass each "
+            f"replica its consecutive block of dimension {k}; or pass the argument whole "
+            "(not split over the replica axis)")
+    if sizes[d] > size:
+        what = f"more than a share holds ({size})"
+    else:
+        what = (f"which do not tile a share of {size}: a slice would straddle two "
+                "replicas' blocks")
+    return CompileError(
+        f"{head}, but the loop reads slices of shape {tuple(sizes)}, {sizes[d]} along "
+        f"dimension {d}, {what}: read it one microbatch at a time (treduce's xs, or x[i] "
+        "in a treduce_i body) with a number of microbatches that is a multiple of the "
+        "replicas', or pass the argument whole (not split over the replica axis)")
+
+
+def localize(closed: Any, split: Mapping[int, tuple[int, int]], where: str, *,
+             names: Mapping[int, str] | None = None,
+             replica_axis: str | None = None) -> Any:
     """The task jaxpr `closed` reading replica shares (`Note: replica shares`).
 
     Args:
       closed: a loop task's closed jaxpr.
       split: jaxpr input position -> (split dimension, share size along it).
-      where: the task and argument, for errors.
+      where: what reads them, for errors: the task (with `names`), or the argument.
+      names: jaxpr input position -> the argument's path, for errors.
+      replica_axis: the replica axis's name, for errors.
 
     Returns:
       A closed jaxpr whose split inputs have the share's shape and whose dynamic slices
       of them start at the global start modulo the share size.
 
     Raises:
-      CompileError: a split input read otherwise than by `dynamic_slice`.
+      CompileError: naming the argument, its shapes and the replica axis: a split
+        input read otherwise than by `dynamic_slice`, or by slices that do not lie
+        within one replica's share (the replica axis on another dimension than the one
+        the microbatches are taken from).
     """
     jaxpr = closed.jaxpr
     constvars, invars = split_inputs(jaxpr, len(closed.consts))
     shares = {invars[i]: dims for i, dims in split.items()}
+    subjects = {invars[i]: (f"argument {names[i]} (read by {where})" if names and i in names
+                            else where) for i in split}
 
     def fn(*args):
         env: dict[Any, Any] = {}
@@ -197,12 +243,17 @@ def localize(closed: Any, split: Mapping[int, tuple[int, int]], where: str) -> A
             if touched:
                 if eqn.primitive is not lax.dynamic_slice_p or touched != [eqn.invars[0]]:
                     raise CompileError(
-                        f"{where} is split over the pipeline replicas (its in_shardings "
-                        f"name the replica axis) but the loop reads it with "
+                        f"{subjects[touched[0]]} is split over the pipeline replicas (its "
+                        f"in_shardings name the replica axis) but the loop reads it with "
                         f"`{eqn.primitive.name}`: such an argument may only be read one "
                         "microbatch at a time (treduce's xs, or x[i] in a treduce_i "
                         "body); pass it whole instead (not split over the replica axis)")
-                d, size = shares[eqn.invars[0]]
+                var = eqn.invars[0]
+                d, size = shares[var]
+                sizes = tuple(eqn.params["slice_sizes"])
+                if sizes[d] > size or (sizes[d] and size % sizes[d]):
+                    raise _misread(subjects[var], var.aval.shape, d, size, sizes,
+                                   replica_axis)
                 start = invals[1 + d]
                 invals[1 + d] = lax.rem(start, np.asarray(size, dtype=np.result_type(start)))
             params = eqn.primitive.get_bind_params(eqn.params)
@@ -228,7 +279,8 @@ def localize(closed: Any, split: Mapping[int, tuple[int, int]], where: str) -> A
 
 def localize_split(split: Any, jaxpr: jex_core.Jaxpr, loop: jex_core.JaxprEqn,
                    num_consts: int, replica_dims: Sequence[int | None], num_replicas: int,
-                   names: Sequence[str]) -> tuple[Any, dict[int, tuple[int, ...]]]:
+                   names: Sequence[str], replica_axis: str | None = None
+                   ) -> tuple[Any, dict[int, tuple[int, ...]]]:
     """The split loop body reading replica shares (`Note: replica shares`).
 
     Args:
@@ -238,6 +290,7 @@ def localize_split(split: Any, jaxpr: jex_core.Jaxpr, loop: jex_core.JaxprEqn,
       replica_dims: per flat argument, the dimension split over the replicas, or None.
       num_replicas: R.
       names: per flat argument, its path (for errors).
+      replica_axis: the replica axis's name (for errors).
 
     Returns:
       The SplitBody with localized task jaxprs, and per split flat step input (constants
@@ -248,6 +301,7 @@ def localize_split(split: Any, jaxpr: jex_core.Jaxpr, loop: jex_core.JaxprEqn,
     """
     shapes: dict[int, tuple[int, ...]] = {}
     share_of: dict[int, tuple[int, int]] = {}  # loop invariant -> (dim, share size)
+    name_of: dict[int, str] = {}  # loop invariant -> its argument's path
     for j, d in enumerate(replica_dims):
         if d is None:
             continue
@@ -267,6 +321,7 @@ def localize_split(split: Any, jaxpr: jex_core.Jaxpr, loop: jex_core.JaxprEqn,
         for i, v in enumerate(loop.invars):
             if v is var:
                 share_of[i] = (d, size)
+                name_of[i] = names[j]
     if not share_of:
         return split, shapes
     for ref in split.body_outputs:
@@ -279,8 +334,8 @@ def localize_split(split: Any, jaxpr: jex_core.Jaxpr, loop: jex_core.JaxprEqn,
                 if ref[0] == "inv" and ref[1] in share_of}
         if mine:
             label = f"{task.key[0].value}{task.key[1]}"
-            which = ", ".join(names[k - num_consts] for k in shapes)
+            which = {i: name_of[ref[1]] for i, ref in enumerate(task.ins) if i in mine}
             task = dataclasses.replace(task, jaxpr=localize(
-                task.jaxpr, mine, f"argument(s) {which} (read by task {label})"))
+                task.jaxpr, mine, f"task {label}", names=which, replica_axis=replica_axis))
         tasks.append(task)
     return dataclasses.replace(split, tasks=tuple(tasks)), shapes

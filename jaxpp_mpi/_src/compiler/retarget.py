@@ -18,6 +18,15 @@ Note: sharding constraints.
   Each executable binds that abstract mesh to its own group's devices when it is
   compiled, so the rewrite is done once per step, identical on every rank. A spec
   entry naming the MPMD axis drops it (a group holds one slice of that axis).
+  Such a constraint places a value, it never changes it, and jaxpp_mpi keeps `jax.jit`'s
+  meaning, checked against `jax.jit` of the same step: a constraint naming the MPMD axis
+  is accepted, the value whole along that dimension in each group (`jax.jit` spreads it
+  over the MPMD axis's devices too); one whose axes do not divide the dimension is
+  accepted as `jax.jit` accepts it, XLA padding the last shard (uneven shards), whether
+  the axes are the group's or the MPMD axis. Neither is an error under `jax.jit`, so
+  neither is one here: the results equal `jax.jit`'s (tests/local and tests/mpi
+  `test_sharding_constraint*`: the group's "data" axis of 2 over 3 rows, the MPMD axis
+  over 3 rows, both).
   JAX itself rejects a `NamedSharding` naming an `Explicit` axis in
   `with_sharding_constraint` (it asks for `reshard`, which in turn needs sharding in
   types); `trace_step` turns that error into one that says to pass a bare

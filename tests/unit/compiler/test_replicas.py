@@ -74,3 +74,26 @@ def test_localize_refuses_a_whole_read():
     closed = jax.make_jaxpr(lambda xs, i: jnp.sum(xs) + i)(np.zeros((8, 3), np.float32), 0)
     with pytest.raises(CompileError, match="one microbatch at a time"):
         replicas.localize(closed, {0: (0, 4)}, "argument xs")
+
+
+def test_localize_names_a_share_split_on_another_dimension_than_the_loop_reads():
+    """The rows split over the replicas on dimension 1 while the loop takes microbatches
+    along dimension 0: every slice spans the whole of dimension 1, which no replica
+    holds. The error names the argument, the replica axis, both shapes and the spec."""
+    xs = np.arange(32, dtype=np.float32).reshape(8, 4)
+    closed = jax.make_jaxpr(_take)(xs, 0)
+    with pytest.raises(CompileError) as info:
+        replicas.localize(closed, {0: (1, 2)}, "task F0", names={0: "args[2][0]"},
+                          replica_axis="dp")
+    text = str(info.value)
+    for part in ("argument args[2][0] (read by task F0)", "dimension 1", "'dp'",
+                 "(8, 4)", "(8, 2)", "slices of shape (1, 4)", "P('dp')"):
+        assert part in text, (part, text)
+
+
+def test_localize_refuses_slices_straddling_two_shares():
+    xs = np.arange(24, dtype=np.float32).reshape(8, 3)
+    take3 = lambda xs, i: lax.dynamic_slice(xs, (i, 0), (3, 3)) * 2.0
+    closed = jax.make_jaxpr(take3)(xs, 0)
+    with pytest.raises(CompileError, match=r"xs .*do not tile a share of 4"):
+        replicas.localize(closed, {0: (0, 4)}, "argument xs")
