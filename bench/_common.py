@@ -1,5 +1,6 @@
 """What the benchmarks share: run metadata, JSON output, the measured message model,
-inputs of given avals and one timed call."""
+inputs of given avals, one timed call, and the environment of a launch or child process
+without a launcher's per-rank settings."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from jaxpp_mpi._src.ir.simulate import MessageCost  # no JAX import
+from jaxpp_mpi._src.launch import env as launch_env  # stdlib only
 from jaxpp_mpi.schedules import SCHEDULE_NAMES  # no JAX import
 
 
@@ -27,6 +29,38 @@ def write_json(path: str, result: Mapping[str, Any]) -> None:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
         json.dump(result, f, indent=2)
+
+
+# What launch/jpprun exports to its ranks (Note: Launcher settings in
+# jaxpp_mpi/_src/launch/jpprun.py) and the variables that set what `import jaxpp_mpi` does.
+RANK_SETTINGS_VARS = (launch_env.THREADS_PER_RANK_ENV, launch_env.GPUS_PER_RANK_ENV,
+                      "OMP_NUM_THREADS", launch_env.AUTO_SETTINGS_ENV, "JAXPP_MPI_LOCAL_RANK",
+                      "JAXPP_MPI_LOCAL_SIZE")
+# Variables an MPI launcher gives its ranks (Open MPI, PMIx, PRRTE).
+MPI_VAR_PREFIXES = ("OMPI_", "PMIX_", "PRTE_")
+
+
+def without_rank_settings(env: Mapping[str, str]) -> dict[str, str]:
+    """`env` as a user's shell has it: `RANK_SETTINGS_VARS` gone and jpprun's one-thread
+    flags taken out of `XLA_FLAGS` (the user's other flags kept)."""
+    out = {k: v for k, v in env.items() if k not in RANK_SETTINGS_VARS}
+    one_thread = {f.split("=")[0] for f in launch_env.thread_env(1, {})["XLA_FLAGS"].split()}
+    flags = [f for f in out.pop("XLA_FLAGS", "").split() if f.split("=")[0] not in one_thread]
+    if flags:
+        out["XLA_FLAGS"] = " ".join(flags)
+    return out
+
+
+def child_env(env: Mapping[str, str], *, one_thread: bool) -> dict[str, str]:
+    """The environment of a process a rank starts outside MPI: no rank settings, no MPI
+    launcher's variables, jaxpp_mpi's settings at import off; with `one_thread`, the
+    one-thread settings jpprun gives a rank (`env.thread_env(1)`)."""
+    out = {k: v for k, v in without_rank_settings(env).items()
+           if not k.startswith(MPI_VAR_PREFIXES)}
+    out[launch_env.AUTO_SETTINGS_ENV] = "0"
+    if one_thread:
+        out.update(launch_env.thread_env(1, out))
+    return out
 
 
 def random_arrays(avals: Sequence[Any], seed: int) -> list[Any]:

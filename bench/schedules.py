@@ -37,6 +37,16 @@ reference on both ranks at once, those two in alternating order):
   FLOPs differ: the first stage computes no input gradient); `fraction_at_bound` =
   ideal_ms / bound_ms, the best `fraction` such a runtime could show;
 - `breakdown`: per rank, where a traced step's time goes (see `breakdown`).
+Then, alone (bench/_alone.py: rank 0 starts them outside MPI while rank 1 sleeps, so
+nothing else runs; `--no-jit-alone`, `--no-torch` leave them out):
+- `jit_alone`: the same jax.jit step in a process of its own, with XLA's default
+  threading on every core it may use (`default_threads`) and with one thread pinned to
+  rank 0's core (`one_thread`); `best` names the faster; `best_jit_over_step` =
+  its step / step_ms (above 1: the 2-rank pipeline beats the best single process);
+- `torch_pipelining`: torch.distributed.pipelining's GPipe and 1F1B on the same workload
+  (bench/_torch_pipeline.py: 2 processes, gloo, one thread each, pinned to our ranks'
+  cores), where torch is installed; `torch_over_step` = torch's step / step_ms, against
+  torch's schedule of the same name (`torch_schedule`), else its fastest.
 Rank 0 writes the JSON (`--out`).
 """
 
@@ -51,6 +61,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/_common.py, p2p.py
 
+from _alone import alone_phase, torch_match  # noqa: E402
 from _common import (  # noqa: E402
     add_block_options,
     block_options,
@@ -108,6 +119,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         "chains, and the program lowered for them), as the contender 'NAME+chained': the "
         "same-run baseline of posted sends",
     )
+    p.add_argument("--no-jit-alone", action="store_true",
+                   help="leave out the phase that runs jax.jit alone (bench/_alone.py)")
+    p.add_argument("--no-torch", action="store_true",
+                   help="leave out torch.distributed.pipelining (bench/_torch_pipeline.py)")
     p.add_argument("--out", default="bench/results/schedules.json")
     return block_options(p, p.parse_args(argv))
 
@@ -302,6 +317,39 @@ def schedule_makespan(sched, n: int, task_ms: dict[str, float], message_ms: floa
     return max(free)
 
 
+def run_step(exe, params, batch):
+    """One pipelined step, to this rank's results being ready; its (distributed) losses."""
+    import jax
+
+    losses, grads = exe(params, batch)
+    held = [
+        x.first_mpmd_replica
+        for x in jax.tree.leaves((losses, grads))
+        if x.is_partially_addressable
+    ]
+    jax.block_until_ready(held)
+    return losses
+
+
+def barrier_timed(comm, fn) -> tuple[float, float]:
+    """`fn()` between two barriers: (barrier to barrier, this rank's own part) in ms."""
+    comm.Barrier()
+    start = time.perf_counter()
+    fn()
+    own = (time.perf_counter() - start) * 1e3
+    comm.Barrier()
+    return (time.perf_counter() - start) * 1e3, own
+
+
+def compile_schedule(sched, mesh, params, batch, num_microbatches: int):
+    """The workload's step under `sched`, compiled for `mesh`."""
+    import jaxpp_mpi
+
+    return jaxpp_mpi.mpmd_jit_with_loop(
+        pipelined_step(sched, num_microbatches), mpmd_mesh=mesh
+    ).compile(params, batch)
+
+
 def chained_compile(step, mesh, *args):
     """`step` compiled as with JAXPP_MPI_POSTED_SENDS=0 (blocking sends, `Note: posted
     sends`): the options are read when the step is lowered and its executor built."""
@@ -370,6 +418,30 @@ def measure_message_cost(comm, act_bytes: int, reps: int):
     return fit_message_cost(rows), rows
 
 
+def ratio(x: float | None) -> str:
+    """A table cell of a ratio, '-' where it was not measured."""
+    return f"{x:>5.2f}" if x is not None else f"{'-':>5}"
+
+
+def print_alone(alone: dict[str, Any]) -> None:
+    """The alone phase's lines of the summary (bench/_alone.py)."""
+    jit = alone["jit_alone"]
+    for key in ("default_threads", "one_thread"):
+        e = jit.get(key, jit)
+        what = (f"{e['step_ms']:.1f} ms on cores {e['cores']}" if "step_ms" in e
+                else e.get("error", e.get("skipped")))
+        print(f"jax.jit alone, {key.replace('_', ' ')}: {what}", flush=True)
+    if "best" in jit:
+        print(f"best single process: {jit['best'].replace('_', ' ')} (bjit = its step / "
+              "the pipelined step)", flush=True)
+    torch = alone["torch_pipelining"]
+    for key, e in torch.get("schedules", {}).items():
+        print(f"torch {torch['torch']} pipelining {key}: {e['step_ms']:.1f} ms"
+              f"{'' if e.get('loss_ok') else ' (LOSS DIFFERS from jax.jit)'}", flush=True)
+    if "schedules" not in torch:
+        print(f"torch pipelining: {torch.get('error', torch.get('skipped'))}", flush=True)
+
+
 def main() -> None:
     args = parse_args()
     import jax
@@ -419,9 +491,7 @@ def main() -> None:
             raise SystemExit(f"{args.blocks} blocks do not split into {sched.num_stages} stages")
         scheds[name] = sched
         start = time.perf_counter()
-        compiled[name] = jaxpp_mpi.mpmd_jit_with_loop(
-            pipelined_step(sched, n), mpmd_mesh=mesh
-        ).compile(params, batch)
+        compiled[name] = compile_schedule(sched, mesh, params, batch, n)
         if rank == 0:
             print(f"compiled {sched!r} in {time.perf_counter() - start:.1f} s", flush=True)
     if args.chained:
@@ -432,24 +502,14 @@ def main() -> None:
             args.schedules.append(cname)
 
     def run_pipelined(name):
-        losses, grads = compiled[name](params, batch)
-        held = [
-            x.first_mpmd_replica
-            for x in jax.tree.leaves((losses, grads))
-            if x.is_partially_addressable
-        ]
-        jax.block_until_ready(held)
-        return losses
+        return run_step(compiled[name], params, batch)
 
     done: list[float] = []  # the last timed call's own time (ms), before the closing barrier
 
     def timed(fn) -> float:
-        comm.Barrier()
-        start = time.perf_counter()
-        fn()
-        done[:] = [(time.perf_counter() - start) * 1e3]
-        comm.Barrier()
-        return (time.perf_counter() - start) * 1e3
+        wall, own = barrier_timed(comm, fn)
+        done[:] = [own]
+        return wall
 
     def run_reference():
         if rank == 0:
@@ -551,6 +611,8 @@ def main() -> None:
             out.append(timed(reference))
     jit_ms = float(np.median(jit_times))
     jit_both_ms = float(np.median(jit_both))
+    # Alone: the best single-process jax.jit and torch pipelining, nothing else running.
+    alone = alone_phase(args, comm, ref_value)
 
     results = {}
     for name in args.schedules:
@@ -599,6 +661,8 @@ def main() -> None:
             sum(e.end - e.start for e in g if hasattr(e.instr, "exe")) for g in predicted.events
         ]
         bound_ms = schedule_makespan(sched, n, flop_ms, cost(act_aval))
+        best_jit_ms = alone["jit_alone"].get("best_ms")
+        torch_ms = torch_match(name, alone["torch_pipelining"])
         results[name] = {
             "schedule": repr(sched),
             "step_ms": step_ms,
@@ -607,6 +671,9 @@ def main() -> None:
             "ideal_factor": factor,
             "ideal_ms": ideal_ms,
             "fraction_of_ideal": ideal_ms / step_ms,
+            "best_jit_over_step": best_jit_ms / step_ms if best_jit_ms else None,
+            "torch_schedule": torch_ms[0] if torch_ms else None,
+            "torch_over_step": torch_ms[1] / step_ms if torch_ms else None,
             "ideal_corun_ms": jit_both_ms * factor,
             "fraction_of_ideal_corun": jit_both_ms * factor / step_ms,
             "sends": sends,
@@ -646,6 +713,7 @@ def main() -> None:
             "jit_both_ranks_ms": jit_both_ms,
             "jit_both_ranks_ms_all": jit_both,
             "corun_slowdown": jit_both_ms / jit_ms,
+            **alone,
             "message_cost": {"latency_ms": cost.latency, "bytes_per_ms": cost.bandwidth},
             "p2p_rows": p2p_rows,
             "schedules": results,
@@ -657,8 +725,10 @@ def main() -> None:
             f" + bytes / {cost.bandwidth / 1e6:.2f} GB/s",
             flush=True,
         )
+        print_alone(alone)
         print(
-            f"{'schedule':<26} {'step':>8} {'ideal':>8} {'frac':>5} {'pred':>8} "
+            f"{'schedule':<26} {'step':>8} {'ideal':>8} {'frac':>5} {'bjit':>5} {'torch':>5} "
+            f"{'pred':>8} "
             f"{'ovh':>5} {'sched':>8} {'bound':>8} {'best':>5} {'co':>5}  per rank: "
             "compute/wait/other/idle_end ms (traced step)"
         )
@@ -669,7 +739,8 @@ def main() -> None:
             )
             print(
                 f"{name:<26} {r['step_ms']:>8.1f} {r['ideal_ms']:>8.1f} "
-                f"{r['fraction_of_ideal']:>5.2f} {r['predicted_ms']:>8.1f} "
+                f"{r['fraction_of_ideal']:>5.2f} {ratio(r['best_jit_over_step'])} "
+                f"{ratio(r['torch_over_step'])} {r['predicted_ms']:>8.1f} "
                 f"{r['overhead']:>5.2f} {r['schedule_ms']:>8.1f} {r['bound_ms']:>8.1f} "
                 f"{r['fraction_at_bound']:>5.2f} {r['fraction_of_ideal_corun']:>5.2f}  {parts}",
                 flush=True,

@@ -44,9 +44,16 @@
 #   9. gpupipeline: bench/gpu.py --pipeline on 2 ranks sharing the GPU, staged messages
 #      and chains (GPU_CHECK_STAGED, default "auto 0"; GPU_CHECK_CHAINED_SCHEDULES: the
 #      chains' schedules, default the same);
-#  10. stagedtests: tests/mpi/test_staged_messages.py on 2 ranks sharing the GPU.
+#  10. stagedtests: tests/mpi/test_staged_messages.py on 2 ranks sharing the GPU;
+#  11. only when named: bimodal: fresh launches of the 2-rank Std1F1B step on the CPU
+#      cores (bench/launchers.py: jpprun and plain mpirun taking turns,
+#      GPU_CHECK_BIMODAL_ROUNDS rounds, default 5, of one launch each), every launch
+#      traced: per launch its step times, each rank's cores and their NUMA nodes, per-task
+#      times, and Chrome traces in OUT/bimodal/launchK_LAUNCHER/, JSON in bimodal.json.
+#      Tells a slow launch's cause (its cores, a NUMA node, slower tasks or waiting).
 # GPU_CHECK_STEPS picks among examples, stages, tests, cudampi, cputests, cpubench,
-# gpubench, gpupipeline, cudapipeline, stagedtests (default: 1-5).
+# gpubench, gpupipeline, cudapipeline, stagedtests, bimodal (default: 1-5).
+# GPU_CHECK_VENV: the venv built (default /tmp/gpu_check_venv).
 # Never part of CI: it is what a session with a lent GPU runs (one call, ~6 minutes).
 set -u
 wheels=$(cd "${1:-.whl}" && pwd)
@@ -77,7 +84,7 @@ done
 echo "nvcc: ${nvcc_path:-none}; CUDA root: ${cuda_root:-none}"
 
 step "venv over $py's packages, MPI and mpi4py from $wheels"
-v=/tmp/gpu_check_venv
+v=${GPU_CHECK_VENV:-/tmp/gpu_check_venv}
 [ -x "$v/bin/python" ] || "$py" -m venv --without-pip "$v"
 site=$("$py" -c 'import site; print(site.getsitepackages()[0])')
 vsite=$("$v/bin/python" -c 'import site; print(site.getsitepackages()[0])')
@@ -240,6 +247,18 @@ if [[ $steps == *" cpubench "* ]]; then
   # shellcheck disable=SC2086
   run "${GPU_CHECK_COMPILE_S:-300}" "$v/bin/python" bench/compile.py \
     ${GPU_CHECK_COMPILE_ARGS:---repeats 3} --out "$out/compile_cpu.json"
+  unset JAX_PLATFORMS JAXPP_MPI_PYTHON
+fi
+if [[ $steps == *" bimodal "* ]]; then
+  # Each launch compiles the step afresh and times it; launches whose steps differ (seen:
+  # 0.97 s or 1.25 s on 16 cores) are told apart by the cores, NUMA nodes and task times.
+  export JAX_PLATFORMS=cpu JAXPP_MPI_PYTHON="$v/bin/python"
+  rounds=${GPU_CHECK_BIMODAL_ROUNDS:-5}
+  step "bimodal: $rounds rounds of fresh traced launches of the 1F1B step, 2 ranks, CPU"
+  # shellcheck disable=SC2086  # GPU_CHECK_BIMODAL_ARGS: more options, e.g. "--steps 12"
+  run "${GPU_CHECK_BIMODAL_S:-540}" "$v/bin/python" bench/launchers.py --schedules 1f1b \
+    --launchers "${GPU_CHECK_BIMODAL_LAUNCHERS:-jpprun,mpirun}" --repeats "$rounds" \
+    --traces "$out/bimodal" --out "$out/bimodal.json" ${GPU_CHECK_BIMODAL_ARGS:-}
   unset JAX_PLATFORMS JAXPP_MPI_PYTHON
 fi
 step done
