@@ -45,6 +45,8 @@
 #      and chains (GPU_CHECK_STAGED, default "auto 0"; GPU_CHECK_CHAINED_SCHEDULES: the
 #      chains' schedules, default the same);
 #  10. stagedtests: tests/mpi/test_staged_messages.py on 2 ranks sharing the GPU;
+#      hostcopies: tools/host_copies.py, a staged message's two host copies timed every
+#      way JAX offers (pageable, pinned_host memory), JSON in host_copies.json;
 #  11. only when named: bimodal: fresh launches of the 2-rank Std1F1B step on the CPU
 #      cores (bench/launchers.py: jpprun and plain mpirun taking turns,
 #      GPU_CHECK_BIMODAL_ROUNDS rounds, default 5, of one launch each), every launch
@@ -52,7 +54,7 @@
 #      times, and Chrome traces in OUT/bimodal/launchK_LAUNCHER/, JSON in bimodal.json.
 #      Tells a slow launch's cause (its cores, a NUMA node, slower tasks or waiting).
 # GPU_CHECK_STEPS picks among examples, stages, tests, cudampi, cputests, cpubench,
-# gpubench, gpupipeline, cudapipeline, stagedtests, bimodal (default: 1-5).
+# gpubench, gpupipeline, cudapipeline, stagedtests, hostcopies, bimodal (default: 1-5).
 # GPU_CHECK_VENV: the venv built (default /tmp/gpu_check_venv).
 # Never part of CI: it is what a session with a lent GPU runs (one call, ~6 minutes).
 set -u
@@ -227,6 +229,11 @@ if [[ $steps == *" stagedtests "* ]]; then
   step "tests/mpi/test_staged_messages.py on 2 ranks sharing the GPU"
   run 150 "${mpirun[@]}" "$v/bin/python" -m pytest tests/mpi/test_staged_messages.py \
     --with-mpi -p no:cacheprovider -q -x --timeout=120
+fi
+if [[ $steps == *" hostcopies "* ]]; then
+  step "tools/host_copies.py: device-to-host and host-to-device copies of one message"
+  run "${GPU_CHECK_HOSTCOPIES_S:-120}" "$v/bin/python" tools/host_copies.py \
+    --out "$out/host_copies.json"
 fi
 if [[ $steps == *" cputests "* ]]; then
   # This machine's JAX on its CPUs: tests/unit and tests/local, one worker per core.
