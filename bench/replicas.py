@@ -46,7 +46,7 @@ op, `bucket_bytes <= 0`) over replicas x stages layouts (`--sweep`, each RxS pla
 the task times of the measured `1xS` pipeline): per size, the program `build_step`
 builds with that `replica_bucket_bytes`, its AllReduces per step and largest bucket per
 group (the bytes the runtime stages into one flat buffer, `Note: messages` in
-runtime/mpi.py), and the exposed reduction time.
+runtime/mpi_messages.py), and the exposed reduction time.
 
 Four ranks share the machine's cores here: step times are reported, but more ranks
 cannot make a step faster on it, and no speed-up is claimed. Rank 0 writes the JSON.

@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 import jaxpp_mpi as jp
 from jaxpp_mpi import checkpoint as ck
 from jaxpp_mpi._src.arrays.array import mpmd_array_from_local
-from jaxpp_mpi._src.checkpoint import format as checkpoint_format
+from jaxpp_mpi._src.checkpoint import leaf_files
 from jaxpp_mpi._src.reshard.cli import destination_manifest
 
 MESH = jp.MpmdMesh(jax.make_mesh((4, 2), ("stage", "data")), "stage")
@@ -153,7 +153,7 @@ class _Crash(BaseException):
     """A simulated process death: no cleanup code runs past it."""
 
 
-_REAL_WRITE = checkpoint_format.write_npy
+_REAL_WRITE = leaf_files.write_npy
 
 
 def _failing_writes(monkeypatch, after: int, exc: BaseException) -> None:
@@ -166,7 +166,7 @@ def _failing_writes(monkeypatch, after: int, exc: BaseException) -> None:
             raise exc
         return _REAL_WRITE(file, value)
 
-    monkeypatch.setattr(checkpoint_format, "write_npy", write)
+    monkeypatch.setattr(leaf_files, "write_npy", write)
 
 
 def _siblings(path: str) -> list[str]:

@@ -39,6 +39,7 @@ import numpy as np
 
 from jaxpp_mpi._src.base.types import Comm
 from jaxpp_mpi._src.checkpoint import format as fmt
+from jaxpp_mpi._src.checkpoint import leaf_files
 from jaxpp_mpi._src.checkpoint import lock as save_lock
 from jaxpp_mpi._src.checkpoint.format import CheckpointError, Manifest
 from jaxpp_mpi._src.runtime import agree
@@ -139,7 +140,7 @@ def _complete(path: str) -> Manifest | None:
     try:
         text = fmt.read_json_file(os.path.join(path, fmt.MANIFEST), "manifest")
         manifest = Manifest.from_json(text, f"{path}/{fmt.MANIFEST}")
-        if all(os.path.isfile(fmt.resolve_inside(path, leaf.file))
+        if all(os.path.isfile(leaf_files.resolve_inside(path, leaf.file))
                for leaf in manifest.leaves):
             return manifest
     except (CheckpointError, OSError, ValueError):
@@ -242,7 +243,7 @@ def _write_leaf(tmp: str, leaf: fmt.LeafEntry, produce: Producer) -> int:
         raise CheckpointError(
             f"{fmt.format_key_path(leaf.path)} is {value.dtype.name}{list(value.shape)}, "
             f"the manifest says {leaf.dtype}{list(leaf.shape)}")
-    return fmt.write_npy(os.path.join(tmp, leaf.file), fmt.to_storage(value))
+    return leaf_files.write_npy(os.path.join(tmp, leaf.file), fmt.to_storage(value))
 
 
 def commit_checkpoint(

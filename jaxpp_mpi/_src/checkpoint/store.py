@@ -34,6 +34,7 @@ from jaxpp_mpi._src.arrays.mesh import MpmdMesh
 from jaxpp_mpi._src.arrays.sharding import MpmdSharding
 from jaxpp_mpi._src.base.types import PyTree
 from jaxpp_mpi._src.checkpoint import format as fmt
+from jaxpp_mpi._src.checkpoint import leaf_files
 from jaxpp_mpi._src.checkpoint.commit import Producer, Ranks, commit_checkpoint, recover
 from jaxpp_mpi._src.checkpoint.format import CheckpointError, Manifest
 from jaxpp_mpi._src.checkpoint.plan import Plan, plan_from_shardings
@@ -223,8 +224,8 @@ def read_manifest(path: str) -> Manifest:
 
 def read_leaf(path: str, leaf: fmt.LeafEntry) -> np.ndarray:
     """One leaf's value from checkpoint `path`, checked (see Note: Untrusted files)."""
-    return fmt.read_npy(fmt.resolve_inside(path, leaf.file), leaf.shape, leaf.np_dtype,
-                        fmt.format_key_path(leaf.path))
+    return leaf_files.read_npy(leaf_files.resolve_inside(path, leaf.file), leaf.shape,
+                               leaf.np_dtype, fmt.format_key_path(leaf.path))
 
 
 def _check_like(path: str, manifest: Manifest, paths: list, leaves: list) -> None:

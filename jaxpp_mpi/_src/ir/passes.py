@@ -109,7 +109,7 @@ def assign_tags(program: Program) -> Program:
     receive from a in b's program order gets tag k. Tags depend only on the program,
     so every rank computes the same ones (see `Note: program invariants`). They name
     the pairing; the MPI executor matches it by MPI's posting order on one wire tag per
-    shard (`Note: messages` in runtime/mpi.py), so no channel outgrows MPI_TAG_UB.
+    shard (`Note: messages` in runtime/mpi_messages.py), so no channel outgrows MPI_TAG_UB.
 
     Args:
       program: a program, typically built with tag=-1.

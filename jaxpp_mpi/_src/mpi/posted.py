@@ -21,7 +21,7 @@ Note: posted sends.
 
   Order. MPI matches the messages of one (source, communicator, tag) in the order they
   were posted; every send of a CPU group is posted here, in program order, from the
-  dispatching thread, so the pairing `Note: messages` (runtime/mpi.py) relies on holds.
+  dispatching thread, so the pairing `Note: messages` (runtime/mpi_messages.py) relies on holds.
   A posted send never blocks, so it cannot add a deadlock to a program the verifier
   proved deadlock-free with blocking sends (`simulate(..., sends="posted")` times it).
 
@@ -102,7 +102,7 @@ class PostedSends:
 
     def post_shards(self, shards: list[jax.Array], dst: int) -> None:
         """Posts a value's distinct shards to `dst`, shard j with tag j (`Note:
-        messages` in runtime/mpi.py)."""
+        messages` in runtime/mpi_messages.py)."""
         for j, shard in enumerate(shards):
             self.post(shard, dst, j)
 

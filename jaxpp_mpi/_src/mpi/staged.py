@@ -11,7 +11,7 @@ Note: staged messages.
     shard's device-to-host copy (`copy_to_host_async`) and queues the shards for the
     *sender thread* (`StagedSends`), which takes them first in, first out: it waits for
     the host copies and posts them with MPI_Isend from host memory, shard j with MPI
-    tag j (`Note: messages` in runtime/mpi.py), keeping each request and its host
+    tag j (`Note: messages` in runtime/mpi_messages.py), keeping each request and its host
     buffer until the request completes.
   - Receives. The *receiver thread* (`StagedRecvs`) serves the group's receive halves
     (Recv, SendRecv) in program order, up to a window ahead of the dispatching thread:

@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 
 from jaxpp_mpi._src.arrays.comms import _mpi_world_size
 from jaxpp_mpi._src.checkpoint import format as fmt
+from jaxpp_mpi._src.checkpoint import leaf_files
 from jaxpp_mpi._src.checkpoint import store as ck
 from jaxpp_mpi._src.checkpoint.commit import Ranks, commit_checkpoint
 from jaxpp_mpi._src.checkpoint.format import CheckpointError, Manifest
@@ -143,7 +144,7 @@ def convert(
         if os.path.lexists(dst) and not overwrite:
             raise CheckpointError(f"--dst {dst} exists; pass --overwrite to replace it")
         for leaf in source.leaves:  # every file must be there before anything moves
-            fmt.resolve_inside(src, leaf.file)
+            leaf_files.resolve_inside(src, leaf.file)
         return source, target
 
     source, target = ranks.run(prepare)

@@ -1,5 +1,5 @@
 """A value's distinct shards, and the compiled message chains that move them (`Note:
-messages` in runtime/mpi.py: shard j of a value travels with MPI tag j)."""
+messages` in runtime/mpi_messages.py: shard j of a value travels with MPI tag j)."""
 
 from __future__ import annotations
 
