@@ -11,7 +11,9 @@ of the same function (or numpy) in this process:
 - tests/test_reshard_utils.py: `jax.make_array_from_callback` over the MPMD axis, the
   replica's sharding on `mpmd_submesh([0]).jax_mesh`, unused values, tiny batches;
 - tests/test_mpmd_array.py, tests/test_mpmd_mesh.py: shardings and submeshes compare
-  alike on every rank, `lowering_mesh()`, `unstack`;
+  alike on every rank, `lowering_mesh()`, `unstack`; and, as JaxPP runs them (one
+  process holding every group), on each rank alone: a one-process mesh given
+  `comm=MPI.COMM_SELF` (2 devices per rank);
 - the tutorial's cells: `in_specs`/`out_specs`, `Interleaved1F1B`, `with mesh:`, a
   state with a step counter, `_partially_addressable_arrays`, and `cross_mpmd_stack`,
   `place_with` inside the step.
@@ -141,6 +143,8 @@ def test_basic_example_prints_and_checks_results_on_every_rank(capsys):
             held = b.to_mpmd_local_array  # JaxPP's own check, where held
             if held is not None and not _close(a, held):
                 problems.append(f"{name} held here")
+            if (held is None) == (RANK in b.mpmd_idxs):  # None elsewhere, as in JaxPP
+                problems.append(f"{name} on groups {sorted(b.mpmd_idxs)}: {held!r}")
     for _ in range(2):
         state, new_params, loss, preds = jitted(state, new_params, hidden_states)
         pp_state, pp_params, pp_loss, pp_preds = pipelined(pp_state, pp_params,
@@ -335,6 +339,101 @@ def test_mpmd_mesh_views(array_mesh):
                               for i in range(SIZE)])
     ok = ok and all(s == shapes[0] for s in shapes)
     _everywhere(ok, f"rank {RANK}")
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.skipif(K < 2, reason="a one-process mesh of 2 groups needs 2 devices per rank")
+def test_one_process_tests_on_every_rank_sharded_groups():
+    """JaxPP's one-process tests (test_mpmd_array.py, test_mpmd_mesh.py: every group's
+    devices in one process) under jpprun: each rank is that one process, its mesh line
+    given `comm=MPI.COMM_SELF` (local mode inside a job of several ranks)."""
+    # PORT: was MpmdMesh(jax.make_mesh((3, 2), ("stage", "model")), "stage")
+    devices = jax.local_devices()
+    mesh = jaxpp.MpmdMesh(jax.make_mesh((2, K // 2), ("stage", "model"), devices=devices),
+                          "stage", comm=MPI.COMM_SELF)
+    ok = mesh.is_local and mesh.mpmd_dim == 2
+    subs = [mesh.mpmd_submesh([i]).jax_mesh for i in range(2)]
+    value = jnp.arange(2.0 * K)
+    on = [jax.device_put(value, NamedSharding(m, P("model"))) for m in subs]
+    first = MpmdArray([on[0]], MpmdSharding(mesh, {0}, P("model")))
+    meta = MpmdArray([], MpmdSharding(mesh, {0}, P("model")), shape=value.shape,
+                     dtype=value.dtype)  # test_mpmd_array's "process 1": metadata only
+    both = MpmdArray(on, MpmdSharding(mesh, {0, 1}, P("model")))
+    ok = ok and first.to_mpmd_local_array.sharding.mesh == first.sharding.mesh == subs[0]
+    ok = ok and not meta.is_partially_addressable and meta.to_mpmd_local_array is None
+    held = both.to_mpmd_local_array
+    ok = ok and isinstance(held, list) and [a.sharding.mesh for a in held] == subs
+    ok = ok and both.sharding.mesh == mesh.mpmd_submesh([0, 1]).jax_mesh
+    ok = ok and all(m.devices.shape == (1, K // 2) for m in mesh.unstack)
+    ok = ok and [list(m.devices.flat) for m in mesh.unstack] == [
+        devices[:K // 2], devices[K // 2:K]]
+    ok = ok and mesh.device_coords[devices[K // 2]] == (1, 0)
+
+    def step(ws, xs):  # a pipeline of this rank's own, no message to another rank
+        def loss(ws, x):
+            for w in ws:
+                x = jaxpp.mark_stage_end(jnp.tanh(x @ w))
+            return jnp.sum(x ** 2)
+        return jaxpp.treduce(functools.partial(jax.grad(loss), ws), xs,
+                             schedule=jaxpp.Std1F1B(2), operation=jaxpp.Add)
+
+    keys = jax.random.split(jax.random.PRNGKey(RANK), 3)  # each rank its own numbers
+    ws = [jax.random.normal(k, (4, 4)) / 2 for k in keys[:2]]
+    xs = jax.random.normal(keys[2], (4, 2, 4))
+    got = jaxpp.mpmd_jit_with_loop(step, mpmd_mesh=mesh)(ws, xs)
+    want = jax.jit(lambda ws, xs: [sum(g) for g in zip(*(jax.grad(
+        lambda ws, x: jnp.sum(functools.reduce(lambda h, w: jnp.tanh(h @ w), ws, x) ** 2))(
+            ws, x) for x in xs))])(ws, xs)
+    ok = ok and all(_close(w, g) for w, g in zip(want, got))  # read here, no message
+    _everywhere(ok, f"rank {RANK}")
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.skipif(K < SIZE, reason="local mode of SIZE groups needs SIZE devices per rank")
+def test_mpi_and_local_mode_give_the_same_bits_sharded_groups():
+    """basic.py's step (Std1F1B, gradients summed over microbatches, adam) under MPI, one
+    group per rank, and in local mode, every group in this process: one program, the
+    same bits in every leaf (both in this process's XLA client: its CPU results depend
+    on the process's device count); each within the tolerance of `jax.jit`."""
+    devices = jax.local_devices()
+    local = jaxpp.MpmdMesh(jax.make_mesh((SIZE, 1), ("stage", "model"), devices=devices[:SIZE]),
+                           "stage", comm=MPI.COMM_SELF)
+    ranks = jaxpp.MpmdMesh(jax.make_mesh((1, 1), ("stage", "model"), devices=devices[:1]),
+                           "stage")
+    optimizer = optax.adam(learning_rate=0.005)
+
+    def loss(ws, x, marks):
+        for w in ws:
+            x = jnp.tanh(x @ w)
+            x = jaxpp.mark_stage_end(x) if marks else x
+        return jnp.mean(x ** 2)
+
+    def train_step(ws, opt_state, xs, schedule):
+        if schedule is None:
+            parts = [jax.value_and_grad(loss)(ws, x, False) for x in xs]
+            losses = sum(p[0] for p in parts)
+            grads = jax.tree.map(lambda *g: functools.reduce(jnp.add, g), *(p[1] for p in parts))
+        else:
+            losses, grads = jaxpp.treduce(
+                functools.partial(jax.value_and_grad(loss), ws, marks=True), xs,
+                schedule=schedule, operation=jaxpp.Add)
+        updates, opt_state = optimizer.update(grads, opt_state, ws)
+        return optax.apply_updates(ws, updates), opt_state, losses
+
+    keys = jax.random.split(jax.random.PRNGKey(0), SIZE + 1)  # the same on every rank
+    ws = [jax.random.normal(k, (8, 8)) / 3 for k in keys[:-1]]
+    xs = jax.random.normal(keys[-1], (2 * SIZE, 4, 8))
+    schedule = jaxpp.Std1F1B(SIZE)
+    results = [jaxpp.mpmd_jit_with_loop(functools.partial(train_step, schedule=schedule),
+                                        mpmd_mesh=mesh)(ws, optimizer.init(ws), xs)
+               for mesh in (ranks, local)]
+    by_mpi, by_local = ([np.asarray(leaf) for leaf in jax.tree.leaves(r)] for r in results)
+    want = jax.jit(functools.partial(train_step, schedule=None))(ws, optimizer.init(ws), xs)
+    problems = [i for i, (a, b) in enumerate(zip(by_mpi, by_local)) if not np.array_equal(a, b)]
+    problems += [f"jit {i}" for i, (a, b) in enumerate(zip(jax.tree.leaves(want), by_local))
+                 if not _close(a, b)]
+    _everywhere(not problems and len(by_mpi) == len(jax.tree.leaves(want)),
+                f"rank {RANK}: leaves {problems}")
 
 
 # -- the tutorial's cells ----------------------------------------------------------------
