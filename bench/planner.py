@@ -9,11 +9,21 @@ Two workloads, each marked after every layer so that one step serves every split
   sums, 8 microbatches of 16 rows: the workload where a zero-bubble schedule should win.
 For each, rank 0 plans every schedule at 8 microbatches, 1 or 2 stages per group, with
 the even split (`plan_schedules`, priced by XLA's FLOPs at the time per FLOP of the
-step's costliest segment: `flops`), then both ranks compile every plan and time it,
-round by round in rotated order (median and minimum step, barrier to barrier); one
-traced step of Std1F1B gives task times (`collect_task_times_ms`), with which rank 0
-plans again (`measured`). `ratio` = measured median step of a planner's first choice
-/ the fastest median (1.0: it chose the fastest).
+step's costliest segment, with the default runtime cost per instruction, `RuntimeCost()`:
+`flops`), then both ranks compile every plan and time it, round by round in rotated
+order (median and minimum step, barrier to barrier). One traced step of Std1F1B gives
+task times (`collect_task_times_ms`, the median of 3 steps), with which rank 0 plans
+again (`measured`). For reference: a traced step of Interleaved1F1B too (two stages per
+group: the same work in twice the Runs) fits the cost of a Run to the traced steps
+(`RuntimeCost.fit_to_traced_steps`), with which rank 0 plans by FLOPs again
+(`flops_fitted_cost`); it plans by FLOPs with what the runtime's dispatch alone costs
+(bench/results/dispatch.json: `dispatch_only`, about the model before runtime costs);
+and it fits the costs of a Run and a message half to this run's own step times
+(`steps_fit`: measured step less the step predicted without runtime costs, over the
+Runs and message halves of the plan's busiest group; used for no choice). `ratio` =
+measured median step of a planner's first choice / the fastest median (1.0: it chose
+the fastest); `rank_agreement` is Spearman's rank correlation of a prediction with the
+measured medians.
 - `split`: the transformer with a 8192-token vocabulary (embedding and head 8x a
   block's weights), Std1F1B on 2 groups: the planner's stage split (`balance_stages`)
   against the even one (4 blocks per stage), both measured.
@@ -23,6 +33,7 @@ Messages are priced from bench/results/p2p.json. Rank 0 writes the JSON (`--out`
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -44,6 +55,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=9, help="timed steps of every plan")
     p.add_argument("--quick", action="store_true", help="smaller models, 2 rounds")
     p.add_argument("--p2p", default=os.path.join(HERE, "results", "p2p.json"))
+    p.add_argument("--dispatch", default=os.path.join(HERE, "results", "dispatch.json"),
+                   help="bench/dispatch.py's figures, for the dispatch-only reference")
     p.add_argument("--out", default=os.path.join(HERE, "results", "planner.json"))
     return p.parse_args(argv)
 
@@ -107,13 +120,33 @@ def key(p) -> tuple:
     return (repr(p.schedule), tuple(p.stage_marks), p.num_microbatches)
 
 
+def spearman(xs, ys) -> float:
+    """Spearman's rank correlation of two sequences (no ties expected)."""
+    import numpy as np
+
+    def ranks(v):
+        return np.argsort(np.argsort(np.asarray(v, dtype=float)))
+
+    return float(np.corrcoef(ranks(xs), ranks(ys))[0, 1])
+
+
+def cost_dict(c) -> dict[str, float]:
+    return {"run_ms": c.run_ms, "message_ms": c.message_ms, "free_ms": c.free_ms}
+
+
 def run_workload(name: str, w: dict[str, Any], mesh, comm, rounds: int, cost,
-                 split: bool = False) -> dict:
+                 dispatch_cost=None, split: bool = False) -> dict:
     import jax
     import numpy as np
 
     import jaxpp_mpi
     from jaxpp_mpi._src.planner.plan import plan
+    from jaxpp_mpi._src.planner.runtime_cost import (
+        RuntimeCost,
+        RuntimeSample,
+        fit_runtime_cost,
+        runtime_counts,
+    )
 
     rank = comm.rank
     args = (*w["fresh"](), w["batch"])
@@ -184,25 +217,51 @@ def run_workload(name: str, w: dict[str, Any], mesh, comm, rounds: int, cost,
                            "measured_ms_all": times[key(c)]},
                 "speedup": median[key(e)] / median[key(c)], "planning_s": flops_s}
 
+    def traced(k) -> dict[str, float]:
+        with jaxpp_mpi.collect_task_times_ms() as stats:
+            for _ in range(3):
+                step(k)
+        task_ms: dict[str, float] = {}
+        for part in comm.allgather({label: float(np.median(v)) for label, v in stats.items()}):
+            task_ms.update(part)
+        return task_ms
+
     reference = next(k for k in keys if k[0] == "Std1F1B(num_stages=2)")
-    with jaxpp_mpi.collect_task_times_ms() as stats:
-        for _ in range(3):
-            step(reference)
-    task_ms: dict[str, float] = {}
-    for part in comm.allgather({k: float(np.median(v)) for k, v in stats.items()}):
-        task_ms.update(part)
+    two_stages = next(k for k in keys if k[0].startswith("Interleaved1F1B(num_stages=4,"))
+    task_ms = traced(reference)
+    fitted = RuntimeCost.fit_to_traced_steps([task_ms, traced(two_stages)])
     by_measured, measured_s = planned(balance_stages=False, task_times_ms=task_ms,
                                       measured_plan=plans[reference])
-    say("planned with measured task times")
+    by_fitted, _ = planned(balance_stages=False, runtime_cost=fitted)
+    by_dispatch, _ = planned(balance_stages=False, runtime_cost=dispatch_cost)
+    by_free, _ = planned(balance_stages=False, runtime_cost=RuntimeCost(0.0, 0.0, 0.0))
+    say("planned with measured task times and runtime costs")
     fastest = min(keys, key=median.get)
-    measured_rank = {key(p): i for i, p in enumerate(by_measured.plans)}
+    busiest = {k: max(runtime_counts(compiled[k][0].program()), key=lambda c: c["run"])
+               for k in keys}
+    runs = {k: busiest[k]["run"] for k in keys}
+    free_ms = {key(p): p.step_ms for p in by_free.plans}
+    steps_fit, _ = fit_runtime_cost(
+        [RuntimeSample(busiest[k], median[k] - free_ms[k]) for k in keys],
+        fit=("run", "message"), fixed=RuntimeCost(0.0, 0.0, 0.0))
+    ways = {"flops": by_flops, "measured": by_measured, "flops_fitted_cost": by_fitted,
+            "dispatch_only": by_dispatch}
+    ranks = {way: {key(p): i + 1 for i, p in enumerate(found.plans)}
+             for way, found in ways.items()}
+    predicted = {way: {key(p): p.step_ms for p in found.plans} for way, found in ways.items()}
     rows = []
-    for i, p in enumerate(by_flops.plans):
-        m = by_measured.plans[measured_rank[key(p)]]
-        rows.append({**describe(p), "rank_flops": i + 1, "predicted_measured_ms": m.step_ms,
-                     "rank_measured": measured_rank[key(p)] + 1,
-                     "measured_ms": median[key(p)], "measured_ms_min": min(times[key(p)]),
-                     "measured_ms_all": times[key(p)]})
+    for p in by_flops.plans:
+        k = key(p)
+        rows.append({**describe(p), "runs_busiest_group": runs[k],
+                     "rank_flops": ranks["flops"][k],
+                     "predicted_measured_ms": predicted["measured"][k],
+                     "rank_measured": ranks["measured"][k],
+                     "predicted_fitted_cost_ms": predicted["flops_fitted_cost"][k],
+                     "rank_fitted_cost": ranks["flops_fitted_cost"][k],
+                     "predicted_dispatch_only_ms": predicted["dispatch_only"][k],
+                     "rank_dispatch_only": ranks["dispatch_only"][k],
+                     "measured_ms": median[k], "measured_ms_min": min(times[k]),
+                     "measured_ms_all": times[k]})
 
     def choice(p) -> dict[str, Any]:
         return {"schedule": repr(p.schedule), "stage_marks": list(p.stage_marks),
@@ -212,10 +271,15 @@ def run_workload(name: str, w: dict[str, Any], mesh, comm, rounds: int, cost,
     return {"config": w["config"], "plans": rows,
             "fastest_measured": {"schedule": fastest[0], "stage_marks": list(fastest[1]),
                                  "measured_ms": median[fastest]},
-            "first_choice_flops": choice(by_flops.plans[0]),
-            "first_choice_measured": choice(by_measured.plans[0]),
+            **{f"first_choice_{way}": choice(found.plans[0]) for way, found in ways.items()},
+            "rank_agreement": {way: spearman([predicted[way][k] for k in keys],
+                                             [median[k] for k in keys]) for way in ways},
+            "runtime_cost": {"default": cost_dict(by_flops.runtime_cost),
+                             "fitted_to_traced_steps": cost_dict(fitted),
+                             "dispatch_only": cost_dict(dispatch_cost),
+                             "steps_fit": cost_dict(steps_fit)},
             "planning_s": {"flops": flops_s, "measured": measured_s},
-            "task_times_from": reference[0]}
+            "task_times_from": reference[0], "run_cost_from": [reference[0], two_stages[0]]}
 
 
 def main() -> None:
@@ -224,6 +288,7 @@ def main() -> None:
     from mpi4py import MPI
 
     import jaxpp_mpi
+    from jaxpp_mpi._src.planner.runtime_cost import RuntimeCost
 
     comm = MPI.COMM_WORLD
     if comm.size != 2:
@@ -231,6 +296,8 @@ def main() -> None:
     mesh = jaxpp_mpi.make_mpmd_mesh((2, 1), ("stage", "data"), "stage")
     message = load_message_cost(args.p2p)
     cost = (message.latency, message.bandwidth)
+    with open(args.dispatch) as f:
+        dispatch_cost = RuntimeCost.from_dispatch(json.load(f))
     rounds = 2 if args.quick else args.rounds
     builders = {"transformer": transformer, "mlp": mlp,
                 "split": partial(transformer, vocab=8192)}
@@ -240,7 +307,8 @@ def main() -> None:
     for name in args.workloads.split(","):
         start = time.perf_counter()
         result["workloads"][name] = r = run_workload(
-            name, builders[name](args.quick), mesh, comm, rounds, cost, split=name == "split")
+            name, builders[name](args.quick), mesh, comm, rounds, cost, dispatch_cost,
+            split=name == "split")
         if comm.rank == 0 and name == "split":
             print(f"split ({time.perf_counter() - start:.0f} s): marks "
                   f"{r['chosen']['stage_marks']} {r['chosen']['measured_ms']:.1f} ms against "
@@ -251,7 +319,12 @@ def main() -> None:
                   f"ms; flops choice {r['first_choice_flops']['schedule']} ratio "
                   f"{r['first_choice_flops']['ratio']:.3f}; measured choice "
                   f"{r['first_choice_measured']['schedule']} ratio "
-                  f"{r['first_choice_measured']['ratio']:.3f}", flush=True)
+                  f"{r['first_choice_measured']['ratio']:.3f}; with a Run fitted at "
+                  f"{r['runtime_cost']['fitted_to_traced_steps']['run_ms']:.3f} ms "
+                  f"{r['first_choice_flops_fitted_cost']['schedule']} ratio "
+                  f"{r['first_choice_flops_fitted_cost']['ratio']:.3f}; dispatch-only choice "
+                  f"{r['first_choice_dispatch_only']['schedule']} ratio "
+                  f"{r['first_choice_dispatch_only']['ratio']:.3f}", flush=True)
     if comm.rank == 0:
         write_json(args.out, result)
         print(f"wrote {args.out}")

@@ -34,6 +34,7 @@ _EXPORTS = {
     "Plan": "planner.ranking",
     "format_plans": "planner.ranking",
     "plan_schedules": "planner.plan",
+    "RuntimeCost": "planner.runtime_cost",
     "mpmd_init": "reshard.init",
     "mark_stage_end": "primitives.stage_marks",
     "pipeline_enter_stage": "primitives.stage_marks",
@@ -93,6 +94,7 @@ if TYPE_CHECKING:  # what static tools see; the same names as _EXPORTS
     from jaxpp_mpi._src.planner.plan import plan_schedules as plan_schedules
     from jaxpp_mpi._src.planner.ranking import Plan as Plan
     from jaxpp_mpi._src.planner.ranking import format_plans as format_plans
+    from jaxpp_mpi._src.planner.runtime_cost import RuntimeCost as RuntimeCost
     from jaxpp_mpi._src.primitives.cross_mpmd import cross_mpmd_all_reduce as cross_mpmd_all_reduce
     from jaxpp_mpi._src.primitives.cross_mpmd import cross_mpmd_stack as cross_mpmd_stack
     from jaxpp_mpi._src.primitives.cross_mpmd import place_with as place_with

@@ -19,6 +19,7 @@ from models import make_step, mlp, schedule, transformer
 
 import jaxpp_mpi as jp
 from jaxpp_mpi._src.planner.plan import plan
+from jaxpp_mpi._src.planner.runtime_cost import RuntimeCost, runtime_counts
 from jaxpp_mpi.schedules import SCHEDULE_NAMES, TaskType, analyze_schedule
 
 MODELS = {"mlp": mlp, "transformer": transformer}
@@ -87,7 +88,8 @@ def test_measured_weight_gradients_flip_the_ranking_as_simulated(w):
     for m in range(n):
         times |= {f"F{m}s0": 1 + o, f"F{m}s1": 1 + o, f"I{m}s1": 1 + o, f"W{m}s1": w + o,
                   f"W{m}s0": 1 + w + o}  # the first stage's W computes its I too
-    plans = plan(step, *args, mpmd_mesh=_mesh(), task_times_ms=times, task_overhead_ms=o,
+    plans = plan(step, *args, mpmd_mesh=_mesh(), task_times_ms=times,
+                 runtime_cost=RuntimeCost(run_ms=o, message_ms=0.0, free_ms=0.0),
                  schedules=("1f1b", "zerobubble")).plans
     latencies = {TaskType.FWD: 1 + o, TaskType.BWD: 1 + w + o, TaskType.BWD_I: 1 + o,
                  TaskType.BWD_W: w + o}
@@ -95,6 +97,27 @@ def test_measured_weight_gradients_flip_the_ranking_as_simulated(w):
         schedule(name, 2), n, latencies).makespan)
     assert [p.schedule for p in plans] == [schedule(name, 2) for name in simulated]
     assert simulated[0] == ("1f1b" if w < 1 else "zerobubble")
+
+
+def test_a_run_cost_adds_its_runs_to_every_plan():
+    """`Note: runtime costs`: a cost per Run adds exactly that cost times each group's
+    Runs to the group's time, so a schedule with more Runs per microbatch (DualPipeV,
+    two stages a group) gains more than one with fewer (ZeroBubble) on the same work."""
+    step, args = _step("mlp", "zerobubble", 4, 4)
+    mesh, run_ms = _mesh(), 0.5
+    kw = dict(mpmd_mesh=mesh, schedules=("zerobubble", "dualpipev"), balance_stages=False)
+    free = {p.schedule: p for p in plan(step, *args, runtime_cost=RuntimeCost(
+        run_ms=0.0, message_ms=0.0, free_ms=0.0), **kw).plans}
+    priced = {p.schedule: p for p in plan(step, *args, runtime_cost=RuntimeCost(
+        run_ms=run_ms, message_ms=0.0, free_ms=0.0), **kw).plans}
+    runs = {}
+    for sched, p in priced.items():
+        program = jp.MpmdFunction(p.apply(step), mesh, None, None).step_plan(*args).program
+        runs[sched] = [c["run"] for c in runtime_counts(program)]
+        added = [b - a for a, b in zip(free[sched].busy_ms, p.busy_ms)]
+        assert added == pytest.approx([run_ms * r for r in runs[sched]])
+    zb, dpv = schedule("zerobubble", 2), schedule("dualpipev", 2)
+    assert all(a > b for a, b in zip(runs[dpv], runs[zb]))
 
 
 def test_a_plan_runs_as_jax_jit_of_the_step():

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from jaxpp_mpi._src.base.errors import CompileError
+from jaxpp_mpi._src.planner.runtime_cost import RuntimeCost  # no JAX
 from jaxpp_mpi._src.schedules.cli import UsageError, _Parser  # the schedules CLI's own
 
 __all__ = ["main"]
@@ -50,6 +51,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="compile every distinct executable for XLA's scratch bytes")
     p.add_argument("--message-cost", metavar="MS,GBPS",
                    help="a message's latency in ms and bandwidth in GB/s (default free)")
+    p.add_argument("--runtime-cost", metavar="RUN_MS,MESSAGE_MS,FREE_MS",
+                   help="what the runtime adds per Run, message half and Free, in ms "
+                   "(default: the figures fitted on a 2-core CPU VM, RuntimeCost())")
     p.add_argument("--top", type=int, default=0, help="show only the first N plans")
     p.add_argument("--json", metavar="OUT", help="also write the plans as JSON to OUT")
     return p
@@ -106,6 +110,10 @@ def run(args: argparse.Namespace) -> int:
     if args.groups < 1:
         raise UsageError(f"--groups must be positive, got {args.groups}")
     _split_spec(args.model)  # bad input is refused before JAX starts
+    runtime = _numbers(args.runtime_cost, float, "--runtime-cost")
+    if runtime is not None and len(runtime) != 3:
+        raise UsageError("--runtime-cost: give RUN_MS,MESSAGE_MS,FREE_MS")
+    runtime_cost = None if runtime is None else RuntimeCost(*runtime)
     flag = "--xla_force_host_platform_device_count"
     if flag not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}={args.groups}"
@@ -134,7 +142,8 @@ def run(args: argparse.Namespace) -> int:
              "num_microbatches": _numbers(args.microbatches, int, "--microbatches"),
              "schedules": args.schedules.split(",") if args.schedules else None,
              "stages_per_group": _numbers(args.stages_per_group, int, "--stages-per-group"),
-             "message_cost": None if cost is None else (cost[0], cost[1] * 1e6)}
+             "message_cost": None if cost is None else (cost[0], cost[1] * 1e6),
+             "runtime_cost": runtime_cost}
     options.update({k: v for k, v in given.items() if v is not None})
     if args.even_split:
         options["balance_stages"] = False

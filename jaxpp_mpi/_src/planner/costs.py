@@ -6,9 +6,10 @@ Note: planner task costs.
   mark j) and task kind (F, B, I, W): the *work* of one microbatch in ms at the traced
   microbatch size, and XLA's scratch bytes of the task compiled alone. A stage of a
   candidate is a run of segments, so its task's work is the sum over its segments, and
-  its scratch the largest of theirs. A Run takes `overhead_ms` (dispatching one
-  instruction; a message instruction takes it too, on top of its message cost: plan.py)
-  plus the work of its label's parts, scaled by the candidate's rows per
+  its scratch the largest of theirs. A Run takes `overhead_ms` (what the runtime adds
+  to a Run, `RuntimeCost.run_ms`; the planner charges it, and what other instructions
+  cost, on the group's clock: `Note: runtime costs` in runtime_cost.py) plus the work
+  of its label's parts, scaled by the candidate's rows per
   microbatch over the traced ones (the work of a row is taken to be the same at any
   microbatch size). A W part whose I task the program lacks does both (the first stage:
   `label_times` in compiler/task_models.py).
@@ -27,14 +28,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 
+from jaxpp_mpi._src.planner.runtime_cost import DEFAULT_RUNTIME_COST
 from jaxpp_mpi._src.schedules.tasks import parse_label
 
 __all__ = ["KINDS", "SegmentCosts", "from_flops", "from_measured", "run_ms", "run_temp_bytes"]
 
 KINDS = "FBIW"
-DEFAULT_OVERHEAD_MS = 0.03
-"""Dispatching one executable, in ms: about what a CPU rank spends per instruction
-(bench/README.md, `bench/pipeline.py`: ~1.5 ms for ~50 instructions)."""
+DEFAULT_OVERHEAD_MS = DEFAULT_RUNTIME_COST.run_ms
+"""What the runtime adds to a Run beyond its work, in ms (`RuntimeCost.run_ms`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +47,7 @@ class SegmentCosts:
       work_ms: kind letter -> per segment, the work in ms at `rows` rows per microbatch.
       temp_bytes: kind letter -> per segment, XLA's scratch bytes of the task alone.
       rows: the rows per microbatch these are for.
-      overhead_ms: the time of dispatching one executable.
+      overhead_ms: what the runtime adds to a Run (`RuntimeCost.run_ms`).
     """
 
     work_ms: Mapping[str, tuple[float, ...]]
@@ -101,7 +102,7 @@ def from_measured(task_ms: Mapping[str, float], flops: Mapping[str, Sequence[flo
       flops: kind -> per segment, XLA's FLOPs of the task alone.
       temp_bytes: kind -> per segment, its scratch bytes.
       rows: rows per microbatch of the measured step.
-      overhead_ms: dispatching one executable.
+      overhead_ms: what the runtime adds to a Run, taken off each measured time.
       stages: per stage of the measured step, its segments (default: one each).
 
     Returns:

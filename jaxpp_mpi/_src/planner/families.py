@@ -157,7 +157,8 @@ _RATES: dict[tuple[int, ...], float | None] = {}
 def measured_ms_per_flop(tasks: SegmentTasks, device: jax.Device, overhead_ms: float,
                          repeats: int = 3) -> float | None:
     """ms per FLOP of the step's own costliest segment: its forward and backward run
-    on zeros, the best of `repeats` each, less a dispatch each (once per process); None
+    on zeros, the best of `repeats` each, less `overhead_ms` each (once per process; the
+    planner takes a task run alone as all work: 0); None
     where its inputs are not all numbers (typed keys) or it has no FLOPs."""
     fb = [tasks.flops["F"][j] + tasks.flops["B"][j] for j in range(len(tasks.flops["F"]))]
     j = max(range(len(fb)), key=fb.__getitem__)

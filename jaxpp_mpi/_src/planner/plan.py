@@ -23,8 +23,9 @@ Note: planning a step.
   A program lowered in local mode is the one `compile` in local mode runs; its memory is
   exactly `MpmdCompiled.memory_analysis()`'s with `exact_memory` (tested). Predicted
   times are estimates: the work of a row is taken as the same at every microbatch
-  size, a message costs `message_cost` (nothing when not given) and each Run and each
-  message instruction `task_overhead_ms` to dispatch.
+  size, a message costs `message_cost` (nothing when not given), and every instruction
+  what `runtime_cost` says the runtime adds for it, charged on its group's clock
+  (`Note: runtime costs` in runtime_cost.py).
 """
 
 from __future__ import annotations
@@ -47,7 +48,6 @@ from jaxpp_mpi._src.ir.program import Run
 from jaxpp_mpi._src.ir.simulate import MessageCost, runtime_sends, simulate
 from jaxpp_mpi._src.planner import candidates as cands
 from jaxpp_mpi._src.planner.costs import (
-    DEFAULT_OVERHEAD_MS,
     SegmentCosts,
     from_flops,
     from_measured,
@@ -63,6 +63,7 @@ from jaxpp_mpi._src.planner.families import (
 )
 from jaxpp_mpi._src.planner.ranking import Plan, parse_bytes, rank
 from jaxpp_mpi._src.planner.restage import microbatched, restage
+from jaxpp_mpi._src.planner.runtime_cost import DEFAULT_RUNTIME_COST, RuntimeCost, run_charges
 from jaxpp_mpi._src.planner.split import splits_to_try, stage_segments
 from jaxpp_mpi._src.schedules.tasks import parse_label
 
@@ -82,6 +83,7 @@ class Planning:
         planned.
       num_marks: the step's stage marks.
       compiles: the XLA compiles the run took.
+      runtime_cost: what the runtime was taken to add per instruction.
     """
 
     plans: list[Plan]
@@ -89,6 +91,7 @@ class Planning:
     skipped: list[tuple[str, int, int, str]]
     num_marks: int
     compiles: int
+    runtime_cost: RuntimeCost = DEFAULT_RUNTIME_COST
 
 
 def _argnums(batch_argnums: int | Sequence[int] | None) -> tuple[int, ...]:
@@ -165,6 +168,7 @@ class _Pricing:
     exe_costs: ExeCosts
     segment_rate: float  # ms per FLOP of the code around the loop
     transfer: MessageCost
+    runtime: RuntimeCost
     sends: str
     axis_sizes: dict[str, int]
     exact_memory: bool
@@ -188,13 +192,17 @@ def _evaluate(step: Callable, c: cands.Candidate, marks: tuple[int, ...],
             if pricing.exact_memory or not in_loop:
                 f, temp_of[r.exe] = pricing.exe_costs.of(sp, g, r.exe)
                 if not in_loop:
-                    segment_ms[r.task] = costs.overhead_ms + f * pricing.segment_rate
+                    segment_ms[r.task] = f * pricing.segment_rate
             else:
                 temp_of[r.exe] = run_temp_bytes(r.task, costs, stages, rows)
         peaks.append(live_bytes(gp, pricing.axis_sizes, temp_of).peak_bytes)
     labels = {r.task for gp in sp.program.groups for r in gp.instrs if isinstance(r, Run)}
-    times = run_ms(labels, costs, stages, rows, segment_ms)
-    sim = simulate(sp.program, lambda r: times[r.task], pricing.transfer, sends=pricing.sends)
+    # work alone; what the runtime adds is charged per instruction (`Note: runtime costs`)
+    work = run_ms(labels, dataclasses.replace(costs, overhead_ms=0.0), stages, rows,
+                  segment_ms)
+    charges = run_charges(sp.program, pricing.runtime)
+    sim = simulate(sp.program, lambda r: work[r.task] + charges[id(r)], pricing.transfer,
+                   sends=pricing.sends)
     span = sim.makespan
     bubble = sum(1 - b / span for b in sim.busy) / len(sim.busy) if span > 0 else 0.0
     scale = rows / costs.rows
@@ -230,7 +238,7 @@ def plan(step: Callable, *example_args: Any, mpmd_mesh: MpmdMesh,
          in_shardings: Any = None, out_shardings: Any = None, donate_argnums: Any = None,
          balance_stages: bool = True, exact_memory: bool = False,
          message_cost: tuple[float, float] | None = None,
-         task_overhead_ms: float = DEFAULT_OVERHEAD_MS,
+         runtime_cost: RuntimeCost | None = None,
          stages_per_group: Sequence[int] | None = None) -> Planning:
     """`plan_schedules`, with the cost table and what was skipped (`Note: planning a
     step`); the arguments are `plan_schedules`'."""
@@ -238,6 +246,11 @@ def plan(step: Callable, *example_args: Any, mpmd_mesh: MpmdMesh,
     if not isinstance(mesh, MpmdMesh):
         raise TypeError(f"mpmd_mesh must be an MpmdMesh, got {type(mesh).__name__}")
     limit = None if memory_limit is None else parse_bytes(memory_limit)
+    runtime = DEFAULT_RUNTIME_COST if runtime_cost is None else runtime_cost
+    if not isinstance(runtime, RuntimeCost):
+        raise TypeError("runtime_cost must be a RuntimeCost (ms per Run, message half and "
+                        f"Free), got {type(runtime).__name__}")
+    overhead = runtime.run_ms
     args = jax.tree.map(abstract, tuple(example_args))
     loop = traced_loop(step, args, mesh)
     n0, num_marks = loop.num_microbatches, loop.num_marks
@@ -250,12 +263,12 @@ def plan(step: Callable, *example_args: Any, mpmd_mesh: MpmdMesh,
     if task_times_ms:
         marks = range(num_marks) if measured_plan is None else measured_plan.stage_marks
         costs, rate = from_measured(task_times_ms, tasks.flops, tasks.temp_bytes,
-                                    total // measured_n, task_overhead_ms,
+                                    total // measured_n, overhead,
                                     stage_segments(tuple(marks)))
     else:
-        rate = (measured_ms_per_flop(tasks, device, task_overhead_ms)
-                or probe_ms_per_flop(device))
-        costs = from_flops(tasks.flops, tasks.temp_bytes, total // n0, rate, task_overhead_ms)
+        # a task timed alone is all work: the runtime's cost per Run is in-step
+        rate = measured_ms_per_flop(tasks, device, 0.0) or probe_ms_per_flop(device)
+        costs = from_flops(tasks.flops, tasks.temp_bytes, total // n0, rate, overhead)
 
     def function(fun: Callable) -> MpmdFunction:
         return MpmdFunction(fun, mesh, in_shardings, out_shardings, donate_argnums)
@@ -269,12 +282,11 @@ def plan(step: Callable, *example_args: Any, mpmd_mesh: MpmdMesh,
         return function(measured_plan.apply(step)).step_plan(*rebatched(measured_n))
 
     exe_costs = ExeCosts(mesh, mesh.mpmd_dim)
-    # Every message instruction is dispatched too (`Note: planner task costs`).
     latency, bandwidth = message_cost if message_cost is not None else (0.0, float("inf"))
     pricing = _Pricing(
         function, rebatched, total, costs, exe_costs,
-        _segment_rate(task_times_ms, measured_step, exe_costs, task_overhead_ms, rate),
-        MessageCost(latency + task_overhead_ms, bandwidth), _sends(device),
+        _segment_rate(task_times_ms, measured_step, exe_costs, overhead, rate),
+        MessageCost(latency, bandwidth), runtime, _sends(device),
         dict(mesh.group_shape), exact_memory)
     fb = [costs.work_ms["F"][j] + costs.work_ms["B"][j] for j in range(num_marks)]
     found, skipped = cands.candidates(mesh.mpmd_dim, num_marks, counts, schedules,
@@ -295,7 +307,7 @@ def plan(step: Callable, *example_args: Any, mpmd_mesh: MpmdMesh,
         logger.info("plan: %s with %d stages and %d microbatches skipped: %s", name, stages,
                     n, why)
     return Planning(rank(plans, limit), costs, skips, num_marks,
-                    tasks.compiles + exe_costs.compiles)
+                    tasks.compiles + exe_costs.compiles, runtime)
 
 
 def plan_schedules(step: Callable, *example_args: Any, mpmd_mesh: MpmdMesh,
@@ -309,7 +321,7 @@ def plan_schedules(step: Callable, *example_args: Any, mpmd_mesh: MpmdMesh,
                    donate_argnums: Any = None, balance_stages: bool = True,
                    exact_memory: bool = False,
                    message_cost: tuple[float, float] | None = None,
-                   task_overhead_ms: float = DEFAULT_OVERHEAD_MS,
+                   runtime_cost: RuntimeCost | None = None,
                    stages_per_group: Sequence[int] | None = None) -> list[Plan]:
     """Predicts every library schedule's step time and memory on `step`, fastest first.
 
@@ -342,7 +354,9 @@ def plan_schedules(step: Callable, *example_args: Any, mpmd_mesh: MpmdMesh,
         estimating the loop tasks' from the segment table.
       message_cost: (latency ms, bytes per ms) of a message between groups (default:
         free but for its dispatch).
-      task_overhead_ms: the time of dispatching one instruction (a Run, a message).
+      runtime_cost: what the runtime adds per Run, message half and Free, charged on
+        the group's clock (`Note: runtime costs`; default `RuntimeCost()`, fitted on a
+        2-core CPU VM: fit it on other machines, `RuntimeCost.fit_to_traced_steps`).
       stages_per_group: the stages per group to plan (default: 1 to 4, as the step's
         marks and each schedule allow).
 
@@ -355,9 +369,9 @@ def plan_schedules(step: Callable, *example_args: Any, mpmd_mesh: MpmdMesh,
       CompileError: the step cannot be pipelined as written.
     """
     return plan(step, *example_args, mpmd_mesh=mpmd_mesh, memory_limit=memory_limit,
-                task_times_ms=task_times_ms, batch_argnums=batch_argnums,
-                num_microbatches=num_microbatches, schedules=schedules,
+                task_times_ms=task_times_ms, measured_plan=measured_plan,
+                batch_argnums=batch_argnums, num_microbatches=num_microbatches, schedules=schedules,
                 in_shardings=in_shardings, out_shardings=out_shardings,
                 donate_argnums=donate_argnums, balance_stages=balance_stages,
                 exact_memory=exact_memory, message_cost=message_cost,
-                task_overhead_ms=task_overhead_ms, stages_per_group=stages_per_group).plans
+                runtime_cost=runtime_cost, stages_per_group=stages_per_group).plans

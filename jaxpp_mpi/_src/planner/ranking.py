@@ -56,7 +56,8 @@ class Plan:
       fits: whether every group's peak is within the memory limit (None: no limit).
       reason: for the first plan, why it ranks first; for the others, how they compare
         with it.
-      busy_ms: per group, its predicted task time.
+      busy_ms: per group, its Runs' predicted time (what the runtime adds per
+        instruction included: `Note: runtime costs`).
       stage_ms: per stage, the predicted work of one microbatch's forward and backward
         (the stage costs the split was chosen from).
     """
