@@ -58,7 +58,7 @@ N4_SKIP = bad_input_mpi or call_surface_mpi or sharding_constraint_mpi or array_
           (random_dropout_parity_mpi and (interleaved or zerobubble)) or \
           staged
 # JaxPP's programs also run on 3 ranks (a group on each, meshes that agree across them;
-# with 2 devices per rank, its one-process tests on every rank and MPI against local mode).
+# with 4 devices per rank, its one-process tests on every rank and MPI against local mode).
 # Pipeline replicas need 4 ranks (2 replicas x 2 groups): they run in the -n 4 runs, the
 # last one with 2 devices per rank (values split inside each group, shard by shard
 # across replicas too).
@@ -69,7 +69,7 @@ test-mpi: $(PY)
 	$(call MPI_PYTEST,2) -k "not sharded_groups and not ($(N2_SKIP))"
 	$(call MPI_PYTEST,4) -k "not sharded_groups and not ($(N4_SKIP))"
 	$(call MPI_PYTEST,3) -k "jaxpp_programs"
-	XLA_FLAGS=--xla_force_host_platform_device_count=2 $(call MPI_PYTEST,3) \
+	XLA_FLAGS=--xla_force_host_platform_device_count=4 $(call MPI_PYTEST,3) \
 	  -k "jaxpp_programs and sharded_groups"
 	XLA_FLAGS=--xla_force_host_platform_device_count=2 $(call MPI_PYTEST,2) \
 	  -k "shard or mismatch or (parity and not transformer and (1f1b or interleaved))"
