@@ -68,7 +68,7 @@ N2_SKIP = transformer_parity_every_schedule or tied_transformer
 test-mpi: $(PY)
 	$(call MPI_PYTEST,2) -k "not sharded_groups and not ($(N2_SKIP))"
 	$(call MPI_PYTEST,4) -k "not sharded_groups and not ($(N4_SKIP))"
-	$(call MPI_PYTEST,3) -k "jaxpp_programs"
+	$(call MPI_PYTEST,3) -k "jaxpp_programs and not sharded_groups"
 	XLA_FLAGS=--xla_force_host_platform_device_count=4 $(call MPI_PYTEST,3) \
 	  -k "jaxpp_programs and sharded_groups"
 	XLA_FLAGS=--xla_force_host_platform_device_count=2 $(call MPI_PYTEST,2) \

@@ -10,8 +10,9 @@ other (the order alternating round by round, so a noisy neighbour hurts both ali
   - `jpprun`: `launch/jpprun -n 2 python bench/launchers.py --worker ...`;
   - `mpirun`: the venv's Open MPI `mpirun -n 2 python bench/launchers.py --worker ...`
     with only what Open MPI needs here (`--allow-run-as-root` as root, `--oversubscribe`
-    with fewer cores than ranks: `plain_mpirun_argv`), in an environment stripped of
-    jpprun's settings (`_common.without_rank_settings`): no `-m mpi4py`, no thread flags.
+    with fewer cores than ranks: `plain_mpirun_argv` in launch/jpprun.py), in an
+    environment stripped of jpprun's settings (`_common.without_rank_settings`): no
+    `-m mpi4py`, no thread flags.
 Every launch (a worker: bench/schedules.py's workload, compiled for each schedule) checks
 its losses, times `--steps` plain steps of every schedule barrier to barrier (rotated
 order) and reports each rank's XLA_FLAGS, OMP_NUM_THREADS, cores and their NUMA nodes;
@@ -97,30 +98,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 # ----------------------------------------------------------------------------- the launches
 
 
-def plain_mpirun_argv(num_ranks: int, command: Sequence[str], *, mpirun: str, is_root: bool,
-                      cores: int) -> list[str]:
-    """A plain Open MPI launch as a user types it, plus only what Open MPI demands here.
-
-    Args:
-      num_ranks: ranks to start.
-      command: the program, e.g. `[python, "bench/launchers.py", ...]` (no `-m mpi4py`).
-      mpirun: Open MPI's mpirun.
-      is_root: whether the user is root (Open MPI refuses root without
-        `--allow-run-as-root`).
-      cores: the usable cores (Open MPI refuses more ranks than cores without
-        `--oversubscribe`).
-
-    Returns:
-      The argv: no binding, mapping or environment options, Open MPI's defaults.
-    """
-    argv = [mpirun, "-n", str(num_ranks)]
-    if is_root:
-        argv.append("--allow-run-as-root")
-    if cores < num_ranks:
-        argv.append("--oversubscribe")
-    return argv + list(command)
-
-
 def jpprun_argv(num_ranks: int, command: Sequence[str], *, jpprun: str) -> list[str]:
     """The same program under launch/jpprun (which adds its settings itself)."""
     return [jpprun, "-n", str(num_ranks), *command]
@@ -130,8 +107,9 @@ def launch_argv(which: str, command: Sequence[str], mpirun: str) -> list[str]:
     """The argv of one launch of `command` under `which` ('jpprun' or 'mpirun')."""
     if which == "jpprun":
         return jpprun_argv(RANKS, command, jpprun=os.path.join(ROOT, "launch", "jpprun"))
-    return plain_mpirun_argv(RANKS, command, mpirun=mpirun, is_root=os.geteuid() == 0,
-                             cores=launcher.usable_cores())
+    return launcher.plain_mpirun_argv(RANKS, command, mpirun=mpirun,
+                                      is_root=os.geteuid() == 0,
+                                      cores=launcher.usable_cores())
 
 
 def launch_order(launchers: Sequence[str], round_idx: int) -> list[str]:

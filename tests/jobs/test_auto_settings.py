@@ -49,12 +49,8 @@ def _env(**extra: str) -> dict[str, str]:
 
 def _mpirun(*args: str) -> list[str]:
     """The venv's mpirun as a user would call it, with only what this machine needs."""
-    argv = [launcher.find_mpirun(), "-n", str(RANKS), *args]
-    if os.geteuid() == 0:
-        argv.append("--allow-run-as-root")
-    if len(CORES) < RANKS:
-        argv.append("--oversubscribe")
-    return argv
+    return launcher.plain_mpirun_argv(RANKS, [], mpirun=launcher.find_mpirun(),
+                                      is_root=os.geteuid() == 0, cores=len(CORES)) + list(args)
 
 
 def _launch(prefix: list[str], out: Path, **env: str) -> list[dict]:

@@ -36,11 +36,9 @@ def run_job(launch: str, ranks: int, fault: str, **env: str) -> tuple[int, str]:
     if launch == "jpprun":
         prefix = [str(ROOT / "launch" / "jpprun"), "-n", str(ranks)]
     else:
-        prefix = [launcher.find_mpirun(), "-n", str(ranks)]
-        if os.geteuid() == 0:
-            prefix.append("--allow-run-as-root")
-        if len(os.sched_getaffinity(0)) < ranks:
-            prefix.append("--oversubscribe")
+        prefix = launcher.plain_mpirun_argv(ranks, [], mpirun=launcher.find_mpirun(),
+                                            is_root=os.geteuid() == 0,
+                                            cores=launcher.usable_cores())
     full_env = {k: v for k, v in job_env(**env).items() if k not in _INHERITED or k in env}
     try:
         proc = subprocess.run([*prefix, sys.executable, SCRIPT, fault], cwd=ROOT,

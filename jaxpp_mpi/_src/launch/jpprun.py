@@ -111,6 +111,22 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+def plain_mpirun_argv(num_ranks: int, command: Sequence[str], *, mpirun: str,
+                      is_root: bool, cores: int) -> list[str]:
+    """Open MPI's mpirun as a user types it, with only what Open MPI demands here:
+    `--allow-run-as-root` when `is_root`, `--oversubscribe` with fewer usable `cores`
+    than ranks. No binding, mapping or environment options and no `-m mpi4py`: a plain
+    launch, whose per-rank settings `import jaxpp_mpi` applies (`Note: Settings at
+    import` in launch/auto.py); tests and benchmarks set it against jpprun's.
+    """
+    argv = [mpirun, "-n", str(num_ranks)]
+    if is_root:
+        argv.append("--allow-run-as-root")
+    if cores < num_ranks:
+        argv.append("--oversubscribe")
+    return argv + list(command)
+
+
 def gpus_for_ranks(
     num_ranks: int, gpus_per_rank: int | None, visible_gpus: int, base_env: Mapping[str, str]
 ) -> tuple[int, str | None]:

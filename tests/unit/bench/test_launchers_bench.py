@@ -1,5 +1,6 @@
 """bench/launchers.py's and bench/_alone.py's logic (no JAX, no MPI): the plain mpirun
-command, the environments, the rounds' order, the summary, NUMA nodes, torch's match."""
+command (`plain_mpirun_argv` in launch/jpprun.py, which they use), the environments, the
+rounds' order, the summary, NUMA nodes, torch's match."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from jaxpp_mpi._src.launch import jpprun as launcher
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
 import _alone as alone  # noqa: E402
@@ -25,8 +28,8 @@ PROGRAM = ["/venv/bin/python", "bench/launchers.py", "--worker", "r.json"]
     (True, 1, ["--allow-run-as-root", "--oversubscribe"]),
 ])
 def test_plain_mpirun_adds_only_what_open_mpi_demands(is_root, cores, extra):
-    argv = bench.plain_mpirun_argv(2, PROGRAM, mpirun="/venv/bin/mpirun", is_root=is_root,
-                                   cores=cores)
+    argv = launcher.plain_mpirun_argv(2, PROGRAM, mpirun="/venv/bin/mpirun", is_root=is_root,
+                                      cores=cores)
     assert argv == ["/venv/bin/mpirun", "-n", "2", *extra, *PROGRAM]
     # a plain launch: no binding, no exported settings, the program started as it is
     assert not {"--bind-to", "--map-by", "-x", "-m", "mpi4py"} & set(argv)
