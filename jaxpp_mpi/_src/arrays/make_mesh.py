@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 import jax
 from jax.sharding import AxisType
 
-from jaxpp_mpi._src.arrays import comms as mesh_module  # the mesh's MPI hooks, patched in tests
+from jaxpp_mpi._src.arrays import comms  # the mesh's MPI hooks, patched in tests
 from jaxpp_mpi._src.arrays.comms import Comm
 from jaxpp_mpi._src.arrays.mesh import MpmdMesh
 from jaxpp_mpi._src.arrays.mesh_agreement import (
@@ -75,7 +75,7 @@ def make_mpmd_mesh(
         the `Dup` of the default communicator).
     """
     args = (axis_shapes, axis_names, mpmd_axis_name, axis_types, replica_axis_name)
-    world_size = mesh_module._mpi_world_size() if comm is None else int(comm.Get_size())
+    world_size = comms._mpi_world_size() if comm is None else int(comm.Get_size())
     agree_over = None  # where the ranks compare their arguments; None: one process
     if comm is None and world_size == 1:
         plan = _plan(*args)
@@ -109,7 +109,7 @@ def make_mpmd_mesh(
     mesh = jax.make_mesh(group_shape, plan.names, plan.axis_types, devices=local)
     with _communicators(agree_over):
         if comm is None:
-            comm = mesh_module._default_comm()
+            comm = comms._default_comm()
         return MpmdMesh(mesh, mpmd_axis_name, comm, num_replicas=plan.num_replicas,
                         replica_axis_name=replica_axis_name)
 
