@@ -27,12 +27,12 @@ XDIST        = $$($(PY) -c 'import xdist' 2>/dev/null && printf -- '-n %s' $(TES
 MPI_PYTEST   = timeout -k 10 $(MPI_TIMEOUT) $(JPPRUN) -n $(1) python -m pytest tests/mpi \
                --with-mpi -p no:cacheprovider --timeout=300 --color=no -q $(PYTEST_ARGS)
 
-.PHONY: install test test-unit test-mpi test-slurm example bench lint clean
+.PHONY: install test test-unit test-mpi test-hosts test-hosts-long test-slurm example bench lint clean
 
 install:
 	VENV=$(VENV) bash tools/install.sh
 
-test: lint test-unit test-mpi
+test: lint test-unit test-mpi test-hosts
 
 # tests/jobs start MPI jobs of their own, whose ranks take a core each: one at a time.
 test-unit: $(PY)
@@ -75,6 +75,15 @@ test-mpi: $(PY)
 	  -k "shard or mismatch or (parity and not transformer and (1f1b or interleaved))"
 	XLA_FLAGS=--xla_force_host_platform_device_count=2 $(call MPI_PYTEST,4) \
 	  -k "test_replicas_mpi and (sharded or share or layout)"
+
+# Jobs across hosts made on this machine: network namespaces joined by a bridge, Open MPI
+# over TCP between them (tests/hosts/netns.py; root needed, else skipped naming why). The
+# faults (a link cut inside and between steps, a host lost) run here; every schedule across
+# hosts, uneven hosts and 8 and 16 ranks under test-hosts-long (~11 min).
+test-hosts: $(PY)
+	timeout -k 10 900 $(PY) -m pytest tests/hosts -q --ignore=tests/hosts/long $(PYTEST_ARGS)
+test-hosts-long: $(PY)
+	timeout -k 10 3600 $(PY) -m pytest tests/hosts/long -q $(PYTEST_ARGS)
 
 # launch/slurm/train.sbatch for real on a single-node SLURM installed and started here
 # (root, Debian/apt; ~2-4 min); not part of `test`. See tests/slurm/run_single_node_slurm.sh.

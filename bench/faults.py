@@ -19,6 +19,12 @@ Each repeat starts tests/jobs/harness/faults.py under `launch/jpprun -n 2` witho
 A fault is *survived* when the job exits non-zero before the hang limit. The harness
 prints `fault at <unix time>` on rank 1 just before injecting, so time-to-exit is
 measured from the fault, not from the job's start (JAX start-up and compilation).
+
+`--across-hosts` (root: hosts as network namespaces) runs the faults across two hosts
+instead (bench/_host_faults.py: a link cut inside a step or between steps, a link
+dropping for 3 s, a host lost under jpprun and under a plain mpirun), written to
+bench/results/faults_hosts.json:
+    .venv/bin/python bench/faults.py --across-hosts --repeats 1
 """
 
 from __future__ import annotations
@@ -67,11 +73,20 @@ def run_once(fault: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", default="bench/results/faults.json")
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--across-hosts", action="store_true",
+                        help="the faults across two hosts (root; bench/_host_faults.py)")
     args = parser.parse_args()
-    runs = [run_once(f) for _ in range(args.repeats) for f in FAULTS]
+    faults, run = FAULTS, run_once
+    if args.across_hosts:
+        from _host_faults import HOST_FAULTS, run_across_hosts
+
+        faults, run = HOST_FAULTS, run_across_hosts
+    args.out = args.out or ("bench/results/faults_hosts.json" if args.across_hosts
+                            else "bench/results/faults.json")
+    runs = [run(f) for _ in range(args.repeats) for f in faults]
     summary = {}
-    for fault in FAULTS:
+    for fault in faults:
         mine = [r for r in runs if r["fault"] == fault]
         times = [r["seconds_to_exit"] for r in mine if r["survived"]]
         summary[fault] = {

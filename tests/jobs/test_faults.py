@@ -8,6 +8,7 @@ deadlines (runtime/failure.py), as for a user's plain `mpirun -n N python train.
 from __future__ import annotations
 
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -72,7 +73,8 @@ def test_watchdog_reports_where_each_rank_is_blocked_then_aborts():
     # the last stage runs its F and B as one task (`Note: back-to-back tasks`)
     assert ("blocked in task F0s1+B0s1 (forward, microbatch 0, stage 1; backward, "
             "microbatch 0, stage 1)") in by_rank["[rank 1]"]
-    assert "from rank 1" in by_rank["[rank 0]"], by_rank["[rank 0]"]
+    # the peer and its host (`Note: rank hosts`): here every rank runs on this host
+    assert f"from rank 1 on host {socket.gethostname()}" in by_rank["[rank 0]"], by_rank
     assert elapsed < 60, f"took {elapsed:.1f} s"
 
 
@@ -125,4 +127,20 @@ def test_watchdog_deadline_adapts_to_back_to_back_steps():
     deadline = max(float(re.search(r"past its deadline of ([0-9.]+) s", ln)[1])
                    for ln in lines)
     assert 2 <= deadline < 20, lines  # learnt: the floor, or 20 x a slow first step
+    assert since_fault < deadline + GRACE_S + 8, f"{since_fault:.1f} s after the fault"
+
+
+def test_a_stall_between_steps_ends_the_job_at_the_learnt_step_deadline():
+    """Rank 1 stalls before calling step 6 of 8 back-to-back steps: rank 0 waits in the
+    step call agreement under the step's learnt deadline (the floor set to 2 s here, 60 s
+    by default), not the 300 s of other collectives (`Note: deadlines`)."""
+    rc, out, since_fault = run_fault("stall-between", JAXPP_MPI_WATCHDOG_FLOOR="2",
+                                     JAXPP_MPI_WATCHDOG_GRACE=str(GRACE_S),
+                                     JAXPP_MPI_FAULT_STAMP="1")
+    assert rc != 0, out
+    waits = [ln for ln in out.splitlines()
+             if ln.startswith("[rank 0] jaxpp_mpi deadline: waiting in step call agreement")]
+    assert len(waits) == 1 and "(the step's deadline, the watchdog's;" in waits[0], out
+    deadline = float(re.search(r"past its deadline of ([0-9.]+) s", waits[0])[1])
+    assert 2 <= deadline < 60, waits  # learnt: the floor, or 20 x a slow first step
     assert since_fault < deadline + GRACE_S + 8, f"{since_fault:.1f} s after the fault"

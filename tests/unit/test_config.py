@@ -15,7 +15,7 @@ from jaxpp_mpi._src.base import variables
 from jaxpp_mpi._src.base.config import Options, VariableError, parse_options
 
 SECONDS = ["JAXPP_MPI_STEP_TIMEOUT", "JAXPP_MPI_WATCHDOG_FLOOR", "JAXPP_MPI_WATCHDOG_GRACE",
-           "JAXPP_MPI_DEADLINE"]
+           "JAXPP_MPI_DEADLINE", "JAXPP_MPI_ABORT_WAIT"]
 NUMERIC = [*SECONDS, "JAXPP_MPI_REPLICA_BUCKET_MB"]
 SWITCHES = ["JAXPP_MPI_ABORT_ON_EXCEPTION", "JAXPP_MPI_HEAP_TUNING", "JAXPP_MPI_POSTED_SENDS",
             "JAXPP_MPI_SHARED_COMPILES", "JAXPP_MPI_AUTO_SETTINGS"]
@@ -29,6 +29,8 @@ BAD = {
     **{name: [*NOT_NUMBERS, *BLANK] for name in NUMERIC},
     **{name: ["maybe", "2", "-1", "enabled", "yes please", *BLANK] for name in SWITCHES},
     "JAXPP_MPI_STAGED_MESSAGES": ["2", "staged", "cuda", *BLANK],
+    "JAXPP_MPI_PROGRAM_CACHE": ["1", "yes", "cache", *BLANK],
+    "JAXPP_MPI_CHECKPOINT_PAUSE_AT": ["now", "writes", "1", *BLANK],
     **{name: ["abc", "1.5", "nan", "inf", "1e3", str(low - 1), str(high + 1), "99999999",
               *BLANK] for name, (low, high) in COUNTS.items()},
 }
@@ -95,6 +97,9 @@ def test_the_grace_period_cannot_postpone_an_abort_for_ever():
     ("JAXPP_MPI_STAGED_MESSAGES", " On ", "staged_messages", "1"),
     ("JAXPP_MPI_STAGED_MESSAGES", "no", "staged_messages", "0"),
     ("JAXPP_MPI_STAGED_MESSAGES", "Auto", "staged_messages", "auto"),
+    ("JAXPP_MPI_PROGRAM_CACHE", " Auto", "program_cache", "auto"),
+    ("JAXPP_MPI_PROGRAM_CACHE", "0", "program_cache", "off"),
+    ("JAXPP_MPI_PROGRAM_CACHE", "/tmp/programs", "program_cache", "/tmp/programs"),
 ])
 def test_good_values_are_taken(name, raw, field, value):
     assert getattr(parse_options({name: raw}), field) == value

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import socket
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -34,7 +35,8 @@ def make_mpmd_mesh(
     axis_types: tuple[AxisType, ...] | None = None,
     replica_axis_name: str | None = None,
 ) -> MpmdMesh:
-    """Builds an `MpmdMesh` from the *global* mesh shape, like `jax.make_mesh`.
+    """Builds an `MpmdMesh` from the *global* mesh shape, like `jax.make_mesh`;
+    collective in MPI mode: every rank of the job calls it alike.
 
     Local mode when no `comm` is given, the MPI job has one process, the MPMD axis is
     larger than 1 and this process has all `prod(axis_shapes)` devices (the first ones
@@ -88,7 +90,8 @@ def make_mpmd_mesh(
     mine = MeshReport(spell_arguments(axis_shapes, axis_names, mpmd_axis_name,
                                       replica_axis_name, axis_types),
                       _mesh_words(*args), len(local),
-                      cuda_mpi_problem(d.platform for d in local), axis_types is not None)
+                      cuda_mpi_problem(d.platform for d in local), axis_types is not None,
+                      socket.gethostname())
     reports = [mine]
     if comm is not None or world_size > 1:
         agree_over = comm if comm is not None else _world_comm()
@@ -247,9 +250,11 @@ def _agree(mine: MeshReport, comm: Comm) -> list[MeshReport]:
     `[mine]` for a communicator without allgather (a test's stand-in)."""
     if getattr(comm, "allgather", None) is None:
         return [mine]
-    from jaxpp_mpi._src.runtime import agree  # up a layer, lazily (DESIGN.md section 3)
+    from jaxpp_mpi._src.runtime import agree, hosts  # up a layer, lazily (DESIGN.md section 3)
 
-    return [MeshReport(*r) for r in agree.allgather(mine, comm, _AGREEMENT)]
+    reports = [MeshReport(*r) for r in agree.allgather(mine, comm, _AGREEMENT)]
+    hosts.note_hosts(comm, [r.host for r in reports])  # Note: rank hosts
+    return reports
 
 
 def _communicators(comm: Comm | None):

@@ -10,9 +10,10 @@ Note: mesh agreement.
   its device count and CUDA answer), and every rank refuses a job whose ranks differ,
   naming each differing argument with every rank's value (`differing_arguments_error`);
   the errors that follow from the arguments themselves are then raised by every rank
-  alike. The round waits under the deadline `make_mpmd_mesh argument agreement`, the
-  communicators under `make_mpmd_mesh communicators` (`Note: deadlines` in
-  runtime/failure.py), so a rank that never arrives ends the job.
+  alike. The same round tells every rank where each runs (`MeshReport.host`, `Note:
+  rank hosts` in runtime/hosts.py). The round waits under the deadline `make_mpmd_mesh
+  argument agreement`, the communicators under `make_mpmd_mesh communicators` (`Note:
+  deadlines` in runtime/failure.py), so a rank that never arrives ends the job.
   Pure Python: the spelling and the comparison; make_mesh.py communicates.
 """
 
@@ -38,6 +39,8 @@ class MeshReport(NamedTuple):
       cuda_problem: why this rank's GPU buffers may not go to its MPI, or None.
       types_given: whether `axis_types` was passed (else it follows `axis_names`, and a
         difference in it is only theirs: not reported on its own).
+      host: this rank's host name, never compared: the ranks learn where each runs, for
+        the reports of faults (`Note: rank hosts` in runtime/hosts.py).
     """
 
     arguments: tuple[tuple[str, str], ...]
@@ -45,6 +48,7 @@ class MeshReport(NamedTuple):
     devices: int
     cuda_problem: str | None
     types_given: bool = True
+    host: str = ""
 
 
 def _spell(normalise: Any, value: Any) -> str:

@@ -35,6 +35,8 @@ class Options:
       watchdog: whether the watchdog runs at all.
       watchdog_grace_s: pause between a watchdog report and the abort.
       abort_on_exception: whether MPI mode installs the abort-on-exception hook.
+      abort_wait_s: how long a rank ending the job waits for `MPI_Abort` before it
+        exits by itself (`Note: bounded abort` in launch/abort.py).
       heap_tuning: whether the MPI executor applies `Note: large buffers`.
       first_steps: how many steps the automatic deadline learns from.
       first_steps_timeout_s: the automatic deadline while it is learning.
@@ -52,12 +54,15 @@ class Options:
       cuda_mpi: whether mpi4jax hands device buffers to MPI (MPI4JAX_USE_CUDA_MPI, read
         as mpi4jax reads it).
       shared_compiles: whether ranks that need the same executable compile it once.
+      program_cache: JAXPP_MPI_PROGRAM_CACHE: "auto", "off" or a directory (`Note:
+        program cache` in compiler/program_cache.py).
     """
 
     step_timeout_s: float | None = None
     watchdog: bool = True
     watchdog_grace_s: float = 5.0
     abort_on_exception: bool = True
+    abort_wait_s: float = 10.0
     heap_tuning: bool = True
     first_steps: int = 3
     first_steps_timeout_s: float = 300.0
@@ -72,6 +77,7 @@ class Options:
     staged_messages: str = "auto"
     cuda_mpi: bool = False
     shared_compiles: bool = True
+    program_cache: str = "auto"
 
 
 def stages_messages(options: Options, platform: str) -> bool:
@@ -115,6 +121,7 @@ def parse_options(env: Mapping[str, str]) -> Options:
         deadline_s=deadline,
         watchdog_grace_s=v["JAXPP_MPI_WATCHDOG_GRACE"],
         abort_on_exception=v["JAXPP_MPI_ABORT_ON_EXCEPTION"],
+        abort_wait_s=v["JAXPP_MPI_ABORT_WAIT"],
         heap_tuning=v["JAXPP_MPI_HEAP_TUNING"],
         replica_bucket_bytes=int(v["JAXPP_MPI_REPLICA_BUCKET_MB"] * (1 << 20)),
         posted_sends=v["JAXPP_MPI_POSTED_SENDS"],
@@ -122,6 +129,7 @@ def parse_options(env: Mapping[str, str]) -> Options:
         # mpi4jax's own reading (decorators._is_truthy: lower-cased, not stripped)
         cuda_mpi=env.get("MPI4JAX_USE_CUDA_MPI", "").lower() in ("1", "true", "on"),
         shared_compiles=v["JAXPP_MPI_SHARED_COMPILES"],
+        program_cache=v["JAXPP_MPI_PROGRAM_CACHE"],
     )
 
 

@@ -194,6 +194,10 @@ VARIABLES: tuple[Variable, ...] = (
     _seconds("JAXPP_MPI_DEADLINE", "follows `JAXPP_MPI_STEP_TIMEOUT`", "deadline of every "
              "collective outside the step, in seconds (`auto`: 300 s; after tracing/compiling "
              "at least 5 x the slowest such work; `0`/`off`: none)", words=_TIMEOUT),
+    Variable("JAXPP_MPI_ABORT_WAIT", LAUNCH, "`10`", "seconds a rank ending the job waits "
+             "for `MPI_Abort` before it exits by itself, and jpprun for mpirun once a rank "
+             "aborted (mpirun waits for a lost host's daemon; `Note: bounded abort`)",
+             number=float, high=600.0, unit="seconds", unset=10.0),
     _switch("JAXPP_MPI_ABORT_ON_EXCEPTION", RANKS, True, "MPI mode: an uncaught exception "
             "prints a rank-prefixed traceback and aborts the job"),
     _switch("JAXPP_MPI_HEAP_TUNING", RANKS, True, "the MPI executor keeps large host buffers "
@@ -214,6 +218,12 @@ VARIABLES: tuple[Variable, ...] = (
     _switch("JAXPP_MPI_SHARED_COMPILES", RANKS, True, "MPI mode: ranks that need the same "
             "executable compile it once between them and pass it on serialized (off by itself "
             "while JAX's persistent compilation cache is in use)"),
+    Variable("JAXPP_MPI_PROGRAM_CACHE", RANKS, "`auto`", "where lowered programs are kept "
+             "for the next launch of the same step (`Note: program cache`): `auto`: in "
+             "`jaxpp_mpi_programs/` inside JAX's persistent compilation cache directory when "
+             "that cache is on, else nowhere; `0`: never; or a directory",
+             {AUTO: AUTO, **{word: OFF for word, on in _SWITCH.items() if not on}},
+             path="a directory", unset=AUTO),
     Variable("JAXPP_MPI_REPLICA_BUCKET_MB", RANKS, "`64`", "pipeline replicas: the most MiB "
              "one all-reduce across replicas carries (`0`: one per task's results)",
              number=float, high=float(1 << 20), unit="MiB", unset=64.0),
@@ -242,9 +252,22 @@ VARIABLES: tuple[Variable, ...] = (
              path="a toolkit's path"),
     _switch("JAXPP_MPI_UPDATE_GOLDEN", TESTS, False, "`1` rewrites the golden program "
             "dumps in `tests/golden/`"),
+    Variable("JAXPP_MPI_FUZZ_EXAMPLES", TESTS, "`2`", "tests/local/test_fuzz_programs.py: "
+             "generated programs checked against `jax.jit` per schedule (`make fuzz`: 300)",
+             number=int, low=1, high=100_000, unset=2),
+    Variable("JAXPP_MPI_FUZZ_SEED", TESTS, "unset", "tests/local/test_fuzz_programs.py: "
+             "draw the programs from this seed instead of the fixed derandomized sequence",
+             number=int, low=0, high=2**32 - 1),
     Variable("JAXPP_MPI_FAULT_STAMP", TESTS, "unset", "tests/jobs/harness/faults.py (and "
              "`bench/faults.py`): print the moment of each injected fault",
              {"1": True}, unset=False),
+    Variable("JAXPP_MPI_CHECKPOINT_PAUSE_AT", RANKS, "unset", "tests only: a rank "
+             "reaching this point of a checkpoint save prints `jaxpp_mpi checkpoint paused "
+             "at POINT (rank R, pid P)` and sleeps until killed (`write`: mid-way through "
+             "its leaf files; `rename`: rank 0, manifest written, before the rename; "
+             "`delete`: rank 0, while removing an old step), so that a test kills it there "
+             "(tests/jobs/test_checkpoint_crash.py)",
+             {"write": "write", "rename": "rename", "delete": "delete"}),
 )
 
 _BY_NAME = {v.name: v for v in VARIABLES}

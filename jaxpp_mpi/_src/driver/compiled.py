@@ -22,12 +22,16 @@ Note: checking a call on every rank.
   that waits for it. The allgather carries `(STEP_CHECK, program hash)`: ranks running
   different compiled steps raise too, and so do ranks running a step while another
   compiles (its first allgather meets theirs: `Note: rejecting input on every rank`).
+  It waits under the step's own deadline, learnt by the watchdog, not the 300 s of
+  other collectives: a link lost between steps stops the ranks here (`Note: deadlines`
+  in runtime/failure.py, `_call_deadline_s`).
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -74,7 +78,8 @@ def _call_failed(failed: list[int], messages: Sequence[str | None]) -> ValueErro
 
 
 class MpmdCompiled:
-    """A step compiled for one argument signature (see `Note: calling a compiled step`).
+    """A step compiled for one argument signature (see `Note: calling a compiled step`);
+    building and calling it are collective: every rank of the job does both alike.
 
     Attributes:
       in_shardings: `(args, kwargs)` like the dynamic arguments, as for `jax.jit`'s
@@ -119,6 +124,8 @@ class MpmdCompiled:
         self._local_holders = [sh.local_mesh_ids for sh in out_sh]
         self._executor = self._make_executor()
         self._fixed = self._fixed_inputs()
+        self._returned: float | None = None  # when the last call returned
+        self._slowest_gap = 0.0  # the longest between a return and the next call
 
     # -- inspection ---------------------------------------------------------------
 
@@ -317,6 +324,16 @@ class MpmdCompiled:
                     "place, or a fresh array")
         return None
 
+    def _call_deadline_s(self) -> float | None:
+        """The step call agreement's deadline (`Note: checking a call on every rank`):
+        the executor's, from the step's learnt deadline and the longest this loop spent
+        between calls; None: the usual one (local mode, a deadline given)."""
+        now = time.monotonic()
+        if self._returned is not None:
+            self._slowest_gap = max(self._slowest_gap, now - self._returned)
+        deadline = getattr(self._executor, "call_deadline_s", None)
+        return None if deadline is None else deadline(self._slowest_gap)
+
     def _check_call(self, args: tuple, kwargs: dict[str, Any]) -> list:
         """Checks a call on every rank alike; returns its flat arguments (`Note:
         checking a call on every rank`).
@@ -332,7 +349,10 @@ class MpmdCompiled:
         comm = None if self.mesh.is_local else self.mesh.job_comm  # every replica
         reports = agree.allgather_or_raise((STEP_CHECK, self._program_hash), error, comm,
                                            _call_failed, own="if_all",
-                                           label="step call agreement")
+                                           label="step call agreement",
+                                           seconds=self._call_deadline_s(),
+                                           how="the step's deadline, the watchdog's; "
+                                               "set JAXPP_MPI_DEADLINE to change it")
         compiling = [r for r, report in enumerate(reports) if not is_step_check(report)]
         differ = agree.differing_ranks(reports)
         if compiling or differ:
@@ -346,7 +366,7 @@ class MpmdCompiled:
         return leaves
 
     def __call__(self, *args: Any, **kwargs: Any) -> PyTree:
-        """Runs one step.
+        """Runs one step; collective: every rank of the job calls it alike.
 
         Args:
           *args, **kwargs: the dynamic arguments, with the pytree structure compiled for.
@@ -389,4 +409,5 @@ class MpmdCompiled:
             key = key_struct(aval.shape, impl)  # `Note: keys as key data`
             held = [jax.random.wrap_key_data(a, impl=impl) for a in held]
             outs.append(MpmdArray._trusted(held, sharding, key.shape, key.dtype))
+        self._returned = time.monotonic()
         return jax.tree.unflatten(plan.out_tree, outs)

@@ -19,6 +19,17 @@ Note: abort before the mesh.
   deadlines`). An error that every rank raises alike (`raised_on_every_rank`, e.g.
   arguments of `make_mpmd_mesh` that differ across ranks) waits JAXPP_MPI_WATCHDOG_GRACE
   seconds between its report and the abort, so every rank's report gets out.
+
+Note: bounded abort.
+  `MPI_Abort` does not return: Open MPI's rank asks its launcher daemon to end the job
+  and waits. When a host's link is down, the launcher (prterun) waits for that host's
+  daemon, which cannot answer, until TCP gives up (minutes: seen > 150 s), and the
+  ranks it has not killed wait with it. So every path that ends the job over MPI
+  (`end_job`, `bounded`: the abort hook, the watchdog, the deadlines) first starts a
+  timer: if the process still runs JAXPP_MPI_ABORT_WAIT seconds (10) after its
+  `MPI_Abort`, it says so and exits by itself with the abort's status (`os._exit`, no
+  exit handlers: they would wait in `MPI_Finalize`). jpprun bounds the launcher the
+  same way (`Note: Watching the launcher` in launch/launcher_watch.py).
 """
 
 from __future__ import annotations
@@ -33,8 +44,8 @@ from collections.abc import Callable
 from jaxpp_mpi._src.base import config
 from jaxpp_mpi._src.launch.env import BindError, detect_local_rank, launcher_world_size
 
-__all__ = ["abort_job", "install_abort_on_exception", "install_at_import", "job_rank",
-           "prefixed", "raised_on_every_rank"]
+__all__ = ["abort_job", "abort_wait_s", "bounded", "end_job", "install_abort_on_exception",
+           "install_at_import", "job_rank", "prefixed", "raised_on_every_rank"]
 
 _EVERY_RANK = "_jaxpp_mpi_raised_on_every_rank"
 _installed = False
@@ -74,18 +85,75 @@ def job_rank() -> int | str:
     return "?" if rank is None else rank
 
 
-def abort_job(status: int) -> None:
-    """Ends the whole job with `status` (`Note: abort before the mesh`): `MPI_Abort` on
-    `MPI_COMM_WORLD` when MPI is initialised, else an immediate exit of this process."""
-    world = _mpi_world()
-    if world is not None:
-        world.Abort(status)
+def _exit_now(status: int) -> None:
+    """Exits this process at once with `status`, its output flushed first."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except Exception:  # noqa: BLE001 - a closed stream: nothing left to flush
             pass
     os._exit(status)
+
+
+def abort_wait_s() -> float:
+    """JAXPP_MPI_ABORT_WAIT: how long `end_job` waits for `MPI_Abort` (`Note: bounded
+    abort`); its default when the variable is malformed (reported where the options are
+    read)."""
+    try:
+        return config.parse_options(os.environ).abort_wait_s
+    except ValueError:
+        return config.Options().abort_wait_s
+
+
+def end_job(abort: Callable[[int], None], status: int, rank: int | str | None = None,
+            wait_s: float | None = None) -> None:
+    """Ends the whole job with `abort(status)` (e.g. `comm.Abort`), and this process by
+    itself if it still runs `wait_s` seconds later (`Note: bounded abort`). Never returns.
+
+    Args:
+      abort: ends the whole job with the given status.
+      status: the job's exit status.
+      rank: this process's rank, for the message (None: `job_rank()`).
+      wait_s: the wait; None: `abort_wait_s()` (JAXPP_MPI_ABORT_WAIT).
+    """
+    wait = abort_wait_s() if wait_s is None else wait_s
+
+    def give_up() -> None:
+        who = job_rank() if rank is None else rank
+        sys.stderr.write(f"[rank {who}] jaxpp_mpi: the job has not ended {wait:g} s after "
+                         f"this rank's MPI_Abort (its launcher may be waiting for a lost "
+                         f"host); exiting rank {who} with status {status}\n")
+        _exit_now(status)
+
+    timer = threading.Timer(wait, give_up)
+    timer.daemon = True
+    timer.start()
+    try:
+        abort(status)
+    finally:  # an abort that returned or raised has not ended this process
+        _exit_now(status)
+
+
+def bounded(abort: Callable[[int], None], rank: int | str | None = None
+            ) -> Callable[[int], None]:
+    """`abort` (an MPI communicator's `Abort`) as `end_job` calls it: this process exits
+    by itself if the job has not ended JAXPP_MPI_ABORT_WAIT seconds later (`Note:
+    bounded abort`)."""
+
+    def abort_bounded(status: int) -> None:
+        end_job(abort, status, rank)
+
+    return abort_bounded
+
+
+def abort_job(status: int) -> None:
+    """Ends the whole job with `status` (`Note: abort before the mesh`): `MPI_Abort` on
+    `MPI_COMM_WORLD` when MPI is initialised (`end_job`: bounded), else an immediate exit
+    of this process."""
+    world = _mpi_world()
+    if world is not None:
+        end_job(world.Abort, status)
+    _exit_now(status)
 
 
 def _grace_s() -> float:

@@ -8,7 +8,11 @@ Note: Settings at import.
   `XLA_FLAGS` once, when the first device is asked for), when all of these hold:
   - `JAXPP_MPI_AUTO_SETTINGS` is not `0`/`off` (`env.auto_settings_enabled`);
   - a launcher placed this process beside other ranks on its node (local size > 1,
-    Note: Local rank detection in env.py); a rank alone on its node keeps every core;
+    Note: Local rank detection in env.py); a rank alone on its node keeps every core,
+    unless the launcher bound it to one core (Open MPI's plain `mpirun` binds a lone rank
+    of a host to a core, as it binds the ranks of a host of several, e.g. the one rank on
+    the first of hosts given 1, 2 and 1 ranks): then it gets the one-thread XLA flags
+    and thread counts, the same as every other rank of the job, and its mask is kept;
   - the rank's backend is the CPU (`backend_platform`): `JAX_PLATFORMS` names `cpu`
     first, or, without it, no NVIDIA GPU is visible or no GPU plugin of JAX is installed.
     GPU ranks are left as they are: the flags change only XLA's CPU backend, which runs
@@ -146,7 +150,9 @@ def plan_auto_settings(
     if not auto_settings_enabled(env):
         return AutoSettings(None, cores_before=cores, reason=f"{AUTO_SETTINGS_ENV} is off")
     local = detect_local_rank(env)
-    if local.local_size < 2:
+    bound_to_one = (len(cores) == 1 < node_cores and (local.size or 1) > 1
+                    and threads_from_env(env) is None)  # a lone rank of a job, see the Note
+    if local.local_size < 2 and not bound_to_one:
         return AutoSettings(local, cores_before=cores, reason="no other rank on this node")
     if platform != "cpu":
         return AutoSettings(local, cores_before=cores, reason=f"a {platform} rank")

@@ -22,6 +22,16 @@ Note: Launcher settings.
     `OMP_NUM_THREADS`, `JAXPP_MPI_THREADS_PER_RANK`), exported with `-x` under Open MPI
     and `-genv` under MPICH/Hydra. A rank started by another launcher gets the same
     settings and core from `import jaxpp_mpi` (Note: Settings at import in auto.py).
+  - Ranks on other hosts (`--host`, `--hostfile`, or an allocation mpirun reads itself)
+    start from the remote shell's environment, not jpprun's: Open MPI passes on only what
+    `-x` names. So besides what jpprun sets, the variables that change what a rank
+    computes or how it talks are named too when set (`forwarded_names`: `JAXPP_MPI_*`,
+    `JAX_*`, `XLA_*`, `MPI4JAX_*`, `PYTHONPATH`), and a remote rank starts as a local
+    one does. Hydra's mpiexec passes the whole environment by default.
+  - Several hosts: mpirun is given them as jpprun was (`--hostfile FILE`, or `--host`
+    as `-hosts` to Hydra); binding and oversubscription are decided for the busiest
+    host (Note: Ranks per host in hosts.py), and each rank binds by its local rank on
+    its own host.
   - GPUs (`--gpus-per-rank K`, or by default the visible GPUs shared evenly when there are
     at least as many as ranks; with fewer, a note and no GPU binding, so a CPU test run
     on a one-GPU machine still starts): mpirun cannot give each rank different environment
@@ -40,7 +50,9 @@ Note: Signals to the launcher.
   SIGUSR1, which `PreemptionGuard` catches like SIGTERM; a second SIGTERM goes on as
   SIGTERM (mpirun then kills the job). SIGUSR1/SIGUSR2 to jpprun are passed on as they
   are. jpprun then waits for mpirun and exits with its status. MPICH's Hydra mpiexec is
-  sent the same SIGUSR1 (untested here: no MPICH on the test machine).
+  sent the same SIGUSR1 (untested here: no MPICH on the test machine). jpprun also
+  reads mpirun's output on its way through (`Note: Watching the launcher` in
+  launcher_watch.py).
 """
 
 from __future__ import annotations
@@ -58,7 +70,16 @@ from collections.abc import Mapping, Sequence
 from types import FrameType
 
 from jaxpp_mpi._src.launch import env as launch_env
+from jaxpp_mpi._src.launch import hosts as launch_hosts
+from jaxpp_mpi._src.launch import launcher_watch
 from jaxpp_mpi._src.launch.env import GPUS_PER_RANK_ENV, THREADS_PER_RANK_ENV
+from jaxpp_mpi._src.launch.hosts import HostSlots
+
+# Variables of the user's environment that every rank must see, on every host (Note:
+# Launcher settings); per-process facts (a local rank given by hand) are left out.
+FORWARDED_PREFIXES = ("JAXPP_MPI_", "JAX_", "XLA_", "MPI4JAX_")
+FORWARDED_NAMES = ("PYTHONPATH",)
+NOT_FORWARDED = ("JAXPP_MPI_LOCAL_RANK", "JAXPP_MPI_LOCAL_SIZE")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +90,7 @@ class LaunchPlan:
     env: tuple[tuple[str, str], ...]
     vendor: str
     notes: tuple[str, ...] = ()
+    layout: str = ""
 
     def command_line(self) -> str:
         """The command as a shell line, environment first (what `--dry-run` prints)."""
@@ -127,6 +149,17 @@ def plain_mpirun_argv(num_ranks: int, command: Sequence[str], *, mpirun: str,
     return argv + list(command)
 
 
+def forwarded_names(base_env: Mapping[str, str]) -> list[str]:
+    """The variables of `base_env` every rank gets by name (Note: Launcher settings)."""
+    return sorted(k for k in base_env
+                  if (k.startswith(FORWARDED_PREFIXES) or k in FORWARDED_NAMES)
+                  and k not in NOT_FORWARDED)
+
+
+def _given(args: Sequence[str], *options: str) -> bool:
+    return any(a == o or a.startswith(o + "=") for a in args for o in options)
+
+
 def gpus_for_ranks(
     num_ranks: int, gpus_per_rank: int | None, visible_gpus: int, base_env: Mapping[str, str]
 ) -> tuple[int, str | None]:
@@ -174,6 +207,8 @@ def build_plan(
     is_root: bool,
     base_env: Mapping[str, str],
     extra_mpi_args: Sequence[str] = (),
+    hosts: Sequence[HostSlots] = (),
+    host_args: Sequence[str] = (),
 ) -> LaunchPlan:
     """Computes the launch command (pure: every fact about the machine is an argument).
 
@@ -189,14 +224,19 @@ def build_plan(
       cores: usable cores on this machine.
       is_root: whether the user is root.
       base_env: the environment jpprun was started with.
-      extra_mpi_args: passed to mpirun verbatim, before the program.
+      extra_mpi_args: passed to mpirun verbatim, before the program (a `--map-by` or
+        `--bind-to` there replaces jpprun's own).
+      hosts: the hosts and their slots (`--host`/`--hostfile`; empty: this machine, or
+        what mpirun reads from an allocation). Each is taken to have `cores` cores and
+        `visible_gpus` GPUs (Note: Ranks per host in hosts.py).
+      host_args: how mpirun is told the hosts (e.g. `("--hostfile", path)`).
 
     Returns:
       The LaunchPlan.
 
     Raises:
-      ValueError: on a non-positive rank or thread count, an empty command, or GPUs that
-        do not go round the ranks.
+      ValueError: on a non-positive rank or thread count, an empty command, more ranks
+        than the hosts' slots, or GPUs that do not go round a host's ranks.
     """
     if num_ranks < 1:
         raise ValueError(f"jpprun: -n must be >= 1, got {num_ranks}")
@@ -204,32 +244,46 @@ def build_plan(
         raise ValueError(f"jpprun: --threads-per-rank must be >= 1, got {threads_per_rank}")
     if not command:
         raise ValueError("jpprun: no program given (e.g. `jpprun -n 2 python train.py`)")
+    layout = ""
+    per_host = num_ranks  # ranks on the busiest host
+    if hosts:
+        counts = launch_hosts.ranks_per_host(num_ranks, hosts, cores)
+        per_host, layout = max(counts), launch_hosts.describe_layout(hosts, counts)
     env = launch_env.thread_env(threads_per_rank, base_env)
-    gpus, note = gpus_for_ranks(num_ranks, gpus_per_rank, visible_gpus, base_env)
+    gpus, note = gpus_for_ranks(per_host, gpus_per_rank, visible_gpus, base_env)
     if gpus:
         env[GPUS_PER_RANK_ENV] = str(gpus)
         command = [python, "-m", "jaxpp_mpi.launch", "--gpus-per-rank", str(gpus), "--",
                    *command]
-    oversubscribed = num_ranks * threads_per_rank > cores
+    oversubscribed = per_host * threads_per_rank > cores
+    own_map = not _given(extra_mpi_args, "--map-by", "-map-by")
+    own_bind = not _given(extra_mpi_args, "--bind-to", "-bind-to")
     argv: list[str] = [mpirun, "-n", str(num_ranks)]
     if vendor == "openmpi":
+        argv += host_args
         if is_root:
             argv.append("--allow-run-as-root")
         if oversubscribed:
-            argv += ["--oversubscribe", "--bind-to", "none"]
+            argv.append("--oversubscribe")
+            argv += ["--bind-to", "none"] if own_bind else []
         else:
-            argv += ["--map-by", f"slot:PE={threads_per_rank}", "--bind-to", "core"]
-        for key in env:
+            argv += ["--map-by", f"slot:PE={threads_per_rank}"] if own_map else []
+            argv += ["--bind-to", "core"] if own_bind else []
+        for key in [*env, *(k for k in forwarded_names(base_env) if k not in env)]:
             argv += ["-x", key]
     elif vendor == "mpich":
-        if not oversubscribed:
+        if hosts:
+            argv += ["-hosts", ",".join(f"{h.name}:{h.slots or cores}" for h in hosts)]
+        if not oversubscribed and own_bind:
             argv += ["-bind-to", f"core:{threads_per_rank}"]
         for key, value in env.items():
             argv += ["-genv", key, value]
+    else:
+        argv += host_args
     argv += list(extra_mpi_args)
     argv += list(command)
     return LaunchPlan(argv=tuple(argv), env=tuple(sorted(env.items())), vendor=vendor,
-                      notes=(note,) if note else ())
+                      notes=(note,) if note else (), layout=layout)
 
 
 _PY_FLAGS_WITH_VALUE = ("-X", "-W", "-Q")
@@ -273,10 +327,16 @@ def _parse(argv: Sequence[str], env: Mapping[str, str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="jpprun",
         description="Start a jaxpp_mpi program under MPI, one pipeline group per rank.",
-        usage="jpprun -n N [--gpus-per-rank K] [--threads-per-rank T] [--dry-run] "
-              "[--mpi-arg ARG]... PROGRAM [ARGS...]",
+        usage="jpprun -n N [--host H1:N1,H2:N2 | --hostfile FILE] [--gpus-per-rank K] "
+              "[--threads-per-rank T] [--dry-run] [--mpi-arg ARG]... PROGRAM [ARGS...]",
     )
-    parser.add_argument("-n", "--np", dest="num_ranks", type=int, required=True)
+    parser.add_argument("-n", "--np", dest="num_ranks", type=int, default=None,
+                        help="ranks to start (default with hosts: every slot)")
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--host", default=None,
+                       help="hosts and their slots, e.g. h1:2,h2:2 (Open MPI's --host)")
+    where.add_argument("--hostfile", default=None,
+                       help="Open MPI hostfile: `name slots=N` per line")
     parser.add_argument(
         "--threads-per-rank",
         type=int,
@@ -297,6 +357,21 @@ def _parse(argv: Sequence[str], env: Mapping[str, str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def _hosts(args: argparse.Namespace) -> tuple[list[HostSlots], list[str]]:
+    """The hosts jpprun was given, and the mpirun arguments that give them."""
+    if args.host:
+        return launch_hosts.parse_host_list(args.host), ["--host", args.host]
+    if args.hostfile:
+        try:
+            with open(args.hostfile) as f:
+                text = f.read(1 << 20)
+        except OSError as e:
+            raise ValueError(f"jpprun: cannot read --hostfile: {e}") from None
+        hosts = launch_hosts.parse_hostfile(text, source=args.hostfile)
+        return hosts, ["--hostfile", args.hostfile]
+    return [], []
+
+
 def run_forwarding_signals(argv: Sequence[str], env: Mapping[str, str]) -> int:
     """Runs the launcher, forwarding signals to it (see `Note: Signals to the launcher`).
 
@@ -307,7 +382,8 @@ def run_forwarding_signals(argv: Sequence[str], env: Mapping[str, str]) -> int:
     Returns:
       The launcher's exit status (128 + N when a signal N ended it).
     """
-    proc = subprocess.Popen(list(argv), env=dict(env))
+    proc = subprocess.Popen(list(argv), env=dict(env), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
     terms = 0
 
     def forward(signum: int, frame: FrameType | None) -> None:
@@ -326,11 +402,23 @@ def run_forwarding_signals(argv: Sequence[str], env: Mapping[str, str]) -> int:
     previous = {s: signal.signal(s, forward)
                 for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)}
     try:
-        status = proc.wait()
+        status = wait_watched(proc, env)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
     return 128 - status if status < 0 else status
+
+
+def wait_watched(proc: subprocess.Popen, env: Mapping[str, str]) -> int:
+    """Waits for the launcher `proc` (its output piped), ending it when it outstays a
+    rank's abort and failing a job that lost a host (`Note: Watching the launcher` in
+    launcher_watch.py); the job's exit status."""
+    watch = launcher_watch.LauncherWatch(launcher_watch.abort_wait_s(env))
+    status, word = launcher_watch.wait_watched(proc, sys.stdout.buffer, sys.stderr.buffer,
+                                               watch)
+    if word:
+        print(word, file=sys.stderr, flush=True)
+    return status
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -346,8 +434,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = with_abort_on_error(command, sys.executable)  # the venv's Python on every rank
     mpirun = args.mpirun or find_mpirun()
     try:
+        hosts, host_args = _hosts(args)
+        num_ranks = args.num_ranks
+        if num_ranks is None:
+            if not hosts:
+                raise ValueError("jpprun: -n N is required (or --host/--hostfile)")
+            num_ranks = sum(launch_hosts.ranks_per_host(None, hosts, usable_cores()))
         plan = build_plan(
-            args.num_ranks,
+            num_ranks,
             command,
             threads_per_rank=args.threads_per_rank,
             gpus_per_rank=args.gpus_per_rank,
@@ -359,12 +453,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             is_root=hasattr(os, "geteuid") and os.geteuid() == 0,
             base_env=os.environ,
             extra_mpi_args=args.mpi_arg,
+            hosts=hosts,
+            host_args=host_args,
         )
     except ValueError as e:
         print(e, file=sys.stderr)
         return 2
     for note in plan.notes:
         print(f"jpprun: note: {note}", file=sys.stderr)
+    if plan.layout:
+        print(f"jpprun: {plan.layout}", file=sys.stderr)
     print(f"jpprun: {plan.command_line()}", file=sys.stderr, flush=True)
     if args.dry_run:
         return 0

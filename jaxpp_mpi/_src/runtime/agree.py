@@ -96,20 +96,23 @@ def describe(error: BaseException | None) -> str | None:
     return None if error is None else f"{type(error).__name__}: {error}"
 
 
-def allgather(obj: Any, comm: Comm, label: str = LABEL) -> list[Any]:
+def allgather(obj: Any, comm: Comm, label: str = LABEL, *, seconds: float | None = None,
+              how: str | None = None) -> list[Any]:
     """Every rank's `obj`, element `r` from rank `r` (`[obj]` when `comm` is None).
 
     Args:
       obj: a small picklable value (metadata, never array data).
       comm: the communicator, or None for this process alone.
       label: where the ranks wait, for the deadline's report.
+      seconds: the deadline (None: the label's, `Note: deadlines`).
+      how: where `seconds` comes from, for the deadline's report.
 
     Returns:
       The list of every rank's `obj`, in rank order.
     """
     if comm is None:
         return [obj]
-    with deadline(label, comm):
+    with deadline(label, comm, seconds=seconds, how=how):
         return comm.allgather(obj)
 
 
@@ -153,7 +156,8 @@ def raise_gathered(messages: Sequence[str | None], error: BaseException | None,
 def allgather_or_raise(value: Any, error: BaseException | None, comm: Comm,
                        failure: Failure, *, own: Own = "always",
                        message: Callable[[BaseException | None], str | None] = describe,
-                       label: str = LABEL) -> list[Any]:
+                       label: str = LABEL, seconds: float | None = None,
+                       how: str | None = None) -> list[Any]:
     """Allgathers (this rank's error, `value`); raises on every rank if any rank failed.
 
     One allgather carries both a rank's outcome and what the ranks compare next (a
@@ -168,6 +172,7 @@ def allgather_or_raise(value: Any, error: BaseException | None, comm: Comm,
       own: as for `raise_gathered`.
       message: what a rank tells the others of its error (`describe` by default).
       label: where the ranks wait, for the deadline's report.
+      seconds, how: the deadline and its origin, as for `allgather`.
 
     Returns:
       Every rank's `value`, in rank order, when no rank failed.
@@ -179,7 +184,7 @@ def allgather_or_raise(value: Any, error: BaseException | None, comm: Comm,
         if error is not None:
             raise error
         return [value]
-    reports = allgather((message(error), value), comm, label)
+    reports = allgather((message(error), value), comm, label, seconds=seconds, how=how)
     raise_gathered([m for m, _ in reports], error, failure, own=own)
     return [v for _, v in reports]
 

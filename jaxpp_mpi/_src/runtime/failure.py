@@ -19,7 +19,8 @@ Note: watchdog.
   message chain whose inputs are ready runs inline, so a blocked receive holds Python
   at its instruction) and, per message instruction, the `order` array its chain
   returned (ready once its MPI calls are done). When a step runs past its deadline,
-  the watchdog prints which instruction this rank is blocked on, waits a grace period
+  the watchdog prints which instruction this rank is blocked on (a message names its
+  peer and the peer's host: `Note: rank hosts` in runtime/hosts.py), waits a grace period
   (so the other ranks, whose deadlines expire at about the same time, print theirs),
   then aborts the job. Deadline: JAXPP_MPI_STEP_TIMEOUT seconds, or automatically
   `first_steps_timeout_s` for the first steps and then `max(auto_floor_s, auto_factor
@@ -53,6 +54,15 @@ Note: deadlines.
   peers do too) or what a peer may be doing (a checkpoint's largest file at 100 MB/s).
   `jaxpp_mpi.launch.deadline` is the public form for the user's own collectives. Local
   mode (no communicator, or a one-rank job): no deadline.
+
+  The step call agreement (`Note: checking a call on every rank` in driver/compiled.py)
+  sits between two steps, so a link lost between steps stops the ranks there: its
+  automatic deadline is the step's own (the watchdog's, learnt: max(60 s, 20 x the
+  slowest step) once 3 steps ran), or `work_factor` x the longest this rank's loop
+  spent between two calls when longer (`step_call_deadline_s`); a number given in
+  JAXPP_MPI_DEADLINE or JAXPP_MPI_STEP_TIMEOUT applies as it is. A report names where
+  the communicator's ranks run when they span several hosts (`Note: rank hosts` in
+  runtime/hosts.py); the abort is bounded (`Note: bounded abort` in launch/abort.py).
 """
 
 from __future__ import annotations
@@ -67,12 +77,14 @@ from typing import Any
 
 from jaxpp_mpi._src.base import config
 from jaxpp_mpi._src.base.config import Options
+from jaxpp_mpi._src.launch.abort import bounded
 from jaxpp_mpi._src.launch.abort import install_abort_on_exception as install_abort_on_exception
 from jaxpp_mpi._src.launch.abort import prefixed as _prefixed
+from jaxpp_mpi._src.runtime.hosts import describe_hosts, hosts_of
 from jaxpp_mpi._src.schedules.tasks import describe_label as describe_task
 
 __all__ = ["Watchdog", "deadline", "deadline_s", "describe_task",
-           "install_abort_on_exception", "record_work"]
+           "install_abort_on_exception", "record_work", "step_call_deadline_s"]
 
 _POLL_S = 0.25
 _watched: weakref.WeakSet[Watchdog] = weakref.WeakSet()
@@ -129,13 +141,40 @@ def deadline_s(label: str, options: Options | None = None) -> float | None:
     return max(base, o.work_factor * work)
 
 
+def step_call_deadline_s(options: Options, step_deadline_s: float | None,
+                         slowest_gap_s: float) -> float | None:
+    """The deadline of a step call's agreement (`Note: deadlines`): the step's own
+    learnt deadline, not the 300 s of other collectives, once the ranks run steps.
+
+    Args:
+      options: the settings.
+      step_deadline_s: the watchdog's deadline for the coming step (None: no watchdog).
+      slowest_gap_s: the longest this rank's loop has spent between two calls of the
+        step (its own work there: a peer doing the same arrives that much later).
+
+    Returns:
+      None where the usual deadline applies (a JAXPP_MPI_DEADLINE or a number of
+      JAXPP_MPI_STEP_TIMEOUT, deadlines off, no watchdog), else max(the step's
+      deadline, `work_factor` x `slowest_gap_s`).
+    """
+    if not options.deadlines or options.deadline_s is not None or step_deadline_s is None:
+        return None
+    return max(step_deadline_s, options.work_factor * slowest_gap_s)
+
+
+def _is_mpi(comm: Any) -> bool:
+    """Whether `comm` is an mpi4py communicator (a stand-in's `Abort` is its own)."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    return mpi is not None and isinstance(comm, mpi.Comm)
+
+
 class _Wait:
     """One collective in progress under a deadline (see `Note: deadlines`)."""
 
     def __init__(self, label: str, limit: float, rank: int, abort: Callable[[int], None],
-                 grace: float, how: str):
+                 grace: float, how: str, peers: str = ""):
         self.label, self.limit, self.rank, self.abort = label, limit, rank, abort
-        self.grace, self.how = grace, how
+        self.grace, self.how, self.peers = grace, how, peers
         self.start = time.monotonic()
         self.fired = False
 
@@ -145,10 +184,11 @@ class _Wait:
         if self.fired or elapsed <= self.limit:
             return
         self.fired = True
+        where = f"; where the ranks run: {self.peers}" if self.peers else ""
         sys.stderr.write(_prefixed(self.rank, (
             f"jaxpp_mpi deadline: waiting in {self.label} for {elapsed:.1f} s, past its "
             f"deadline of {self.limit:.1f} s ({self.how}); a peer rank has not reached "
-            f"it (stalled, or lost).\naborting the MPI job in {self.grace:g} s")))
+            f"it (stalled, or lost{where}).\naborting the MPI job in {self.grace:g} s")))
         sys.stderr.flush()
         time.sleep(self.grace)
         self.abort(1)
@@ -166,7 +206,8 @@ def _world() -> Any:
 
 @contextlib.contextmanager
 def deadline(label: str, comm: Any = None, *, seconds: float | None = None,
-             abort: Callable[[int], None] | None = None) -> Iterator[None]:
+             abort: Callable[[int], None] | None = None,
+             how: str | None = None) -> Iterator[None]:
     """Runs the body, a collective that every rank reaches, under a deadline (see
     `Note: deadlines`): past it, this rank prints where it waits and aborts the job.
 
@@ -180,10 +221,14 @@ def deadline(label: str, comm: Any = None, *, seconds: float | None = None,
         ends the job); None: MPI_COMM_WORLD when MPI runs several ranks, else nothing
         is watched (one process waits on nobody).
       seconds: the deadline; None: `deadline_s(label)` (JAXPP_MPI_DEADLINE).
-      abort: ends the job with a status (default `comm.Abort`).
+      abort: ends the job with a status (default `comm.Abort`, bounded: `Note:
+        bounded abort`).
+      how: where `seconds` comes from, for the report (default "given").
     """
     if comm is None:
         comm = _world()
+    if abort is None and _is_mpi(comm):
+        abort = bounded(comm.Abort, int(comm.Get_rank()))  # Note: bounded abort
     abort = abort or getattr(comm, "Abort", None)
     o = config.options()
     limit = seconds if seconds is not None else deadline_s(label, o)
@@ -191,11 +236,12 @@ def deadline(label: str, comm: Any = None, *, seconds: float | None = None,
         yield
         return
     base = o.deadline_s if o.deadline_s is not None else o.auto_deadline_s
-    how = ("given" if seconds is not None else
+    how = ((how or "given") if seconds is not None else
            f"{o.work_factor:g} x the slowest work before it" if limit > base else
            "JAXPP_MPI_DEADLINE" if o.deadline_s is not None else
            "automatic; set JAXPP_MPI_DEADLINE to change it")
-    wait = _Wait(label, limit, int(comm.Get_rank()), abort, o.watchdog_grace_s, how)
+    wait = _Wait(label, limit, int(comm.Get_rank()), abort, o.watchdog_grace_s, how,
+                 describe_hosts(hosts_of(comm)))
     with _monitor_lock:
         _waits.add(wait)
         _ensure_monitor()

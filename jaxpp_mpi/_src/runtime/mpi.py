@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -30,6 +30,7 @@ from jaxpp_mpi._src.ir.program import (
     Send,
     SendRecv,
 )
+from jaxpp_mpi._src.launch.abort import bounded
 from jaxpp_mpi._src.mpi.heap import tune_heap
 from jaxpp_mpi._src.mpi.staged import StagedRecvs, StagedSends
 from jaxpp_mpi._src.runtime import agree
@@ -48,7 +49,13 @@ from jaxpp_mpi._src.runtime.executor import (
     execute,
     wall_ns,
 )
-from jaxpp_mpi._src.runtime.failure import Watchdog, describe_task, install_abort_on_exception
+from jaxpp_mpi._src.runtime.failure import (
+    Watchdog,
+    describe_task,
+    install_abort_on_exception,
+    step_call_deadline_s,
+)
+from jaxpp_mpi._src.runtime.hosts import describe_hosts, host_of, hosts_of
 from jaxpp_mpi._src.runtime.mpi_messages import MessageBinder
 from jaxpp_mpi._src.timeline.timing import TraceEvent, active_task_times
 
@@ -111,18 +118,31 @@ class MpiExecutor:
         # The staged sends of values that outlive the step (`Note: staged messages`).
         lasting = {b for b, _ in gp.inputs} | {b for b, _ in gp.outputs}
         self._lasting_sends = [layout.slot(mpmd_idx, b) for b in sorted(lasting & msgs.sent_bufs)]
+        self._options = options
         self._watchdog = None
         self._has_messages = any(isinstance(i, _MPI_INSTRS) for i in gp.instrs)
         if options.watchdog:
             job = job_comm or comm  # a stall in one replica ends every replica
-            self._watchdog = Watchdog(job.Get_rank(), options, functools.partial(
-                describe_instr, gp), len(gp.instrs), job.Abort)
+            rank = int(job.Get_rank())
+            # Note: rank hosts: where each peer runs, named in the watchdog's words.
+            describe = functools.partial(describe_instr, gp, hosts=hosts_of(comm),
+                                         replica_hosts=hosts_of(replica_comm))
+            self._watchdog = Watchdog(rank, options, describe, len(gp.instrs),
+                                      bounded(job.Abort, rank))
             self._steps = self._marked(self._steps, self._watchdog)
         groups = program.groups
         num_inputs = 1 + max((k for g in groups for _, k in g.inputs), default=-1)
         num_outputs = 1 + max((k for g in groups for _, k in g.outputs), default=-1)
         self._bind_inputs = InputBinder(layout, [gp], lambda g, a: sharding(a), num_inputs)
         self._collect = OutputCollector(layout, [gp], num_outputs)
+
+    def call_deadline_s(self, slowest_gap_s: float) -> float | None:
+        """The deadline of the next step call's agreement (`step_call_deadline_s`: the
+        watchdog's deadline for the coming step), given the longest the caller's loop
+        spent between two calls; None: the usual deadline."""
+        wd = self._watchdog
+        return step_call_deadline_s(self._options, None if wd is None else wd.deadline_s(),
+                                    slowest_gap_s)
 
     def _start_staged(self, times: Any) -> None:
         """A step's start for staged messages: the threads' trace hooks (when events
@@ -233,9 +253,19 @@ def _stop_threads(sends: StagedSends, recvs: StagedRecvs) -> None:
     recvs.stop()
 
 
-def describe_instr(gp: GroupProgram, k: int) -> str:
-    """Instruction k of `gp` for a person: the message and the task it feeds or drains,
-    e.g. 'Recv(%17 from rank 1, tag 5) of task B3s1 (backward, microbatch 3, stage 1)'."""
+def describe_instr(gp: GroupProgram, k: int, hosts: Sequence[str | None] = (),
+                   replica_hosts: Sequence[str | None] = ()) -> str:
+    """Instruction k of `gp` for a person: the message, its peer's host and the task it
+    feeds or drains, e.g. 'Recv(%17 from rank 1 on host n2, tag 5) of task B3s1
+    (backward, microbatch 3, stage 1)'.
+
+    Args:
+      gp: the group's program.
+      k: the instruction's index.
+      hosts: the host of each rank of the pipeline's communicator, if known (`Note:
+        rank hosts` in runtime/hosts.py).
+      replica_hosts: the same for the replica communicator (AllReduce).
+    """
     instrs = gp.instrs
     instr = instrs[k]
     if isinstance(instr, Run):
@@ -250,18 +280,22 @@ def describe_instr(gp: GroupProgram, k: int) -> str:
                      if isinstance(i, Run) and buf in i.ins and i.task), None)
 
     if isinstance(instr, Send):
-        what, task = f"Send(%{instr.buf} to rank {instr.dst}, tag {instr.tag})", producer(
-            instr.buf)
+        what = (f"Send(%{instr.buf} to rank {instr.dst}{host_of(hosts, instr.dst)}, tag "
+                f"{instr.tag})")
+        task = producer(instr.buf)
     elif isinstance(instr, Recv):
-        what, task = f"Recv(%{instr.buf} from rank {instr.src}, tag {instr.tag})", consumer(
-            instr.buf)
+        what = (f"Recv(%{instr.buf} from rank {instr.src}{host_of(hosts, instr.src)}, tag "
+                f"{instr.tag})")
+        task = consumer(instr.buf)
     elif isinstance(instr, SendRecv):
-        what = (f"SendRecv(%{instr.send_buf} to rank {instr.dst}, tag {instr.send_tag}; "
-                f"%{instr.recv_buf} from rank {instr.src}, tag {instr.recv_tag})")
+        what = (f"SendRecv(%{instr.send_buf} to rank {instr.dst}{host_of(hosts, instr.dst)}, "
+                f"tag {instr.send_tag}; %{instr.recv_buf} from rank {instr.src}"
+                f"{host_of(hosts, instr.src)}, tag {instr.recv_tag})")
         task = consumer(instr.recv_buf) or producer(instr.send_buf)
     elif isinstance(instr, AllReduce):
+        where = describe_hosts(replica_hosts)
         what = (f"AllReduce({', '.join(f'%{b}' for b in instr.bufs)} op={instr.op} across "
-                "the pipeline replicas)")
+                f"the pipeline replicas{f' ({where})' if where else ''})")
         task = producer(instr.bufs[0])
     else:
         return str(instr)
@@ -282,7 +316,8 @@ def adopt_comm(comm: Any) -> None:
     """
     abort = getattr(comm, "Abort", None)
     if config.options().abort_on_exception and abort and comm.Get_size() > 1:
-        install_abort_on_exception(int(comm.Get_rank()), abort)
+        rank = int(comm.Get_rank())
+        install_abort_on_exception(rank, bounded(abort, rank))  # Note: bounded abort
 
 
 def agree_on_program(program: Program, comm: Any) -> None:

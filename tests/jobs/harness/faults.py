@@ -1,7 +1,8 @@
 """Not a test: a pipelined 2-stage MLP step with one injected fault on rank 1, for
 tests/jobs/test_faults.py and bench/faults.py. Usage: faults.py FAULT, FAULT one of
 none, stage-exception, trace-exception, stall, sigkill (in step 1), stall-step6 (stage 1
-stalls in step 6 of 8 back-to-back steps), stall-trace (rank 1 stalls while tracing),
+stalls in step 6 of 8 back-to-back steps), stall-between (rank 1 stalls before calling
+step 6 of 8), stall-trace (rank 1 stalls while tracing),
 and, without any step, rank 1 stalling before: stall-should-stop
 (`PreemptionGuard.should_stop`), stall-save (`checkpoint.save`), stall-reshard
 (`spmd_to_mpmd_reshard`), stall-user (a user's bcast under `jaxpp_mpi.launch.deadline`).
@@ -38,7 +39,7 @@ def stamp() -> None:
         print(f"fault at {time.time()}", flush=True)
 
 
-STEPS = 8 if FAULT == "stall-step6" else 3
+STEPS = 8 if FAULT in ("stall-step6", "stall-between") else 3
 step_now = [0]  # the step the host loop is in (it waits for each step's results)
 
 
@@ -124,6 +125,8 @@ def main() -> None:
     batch = np.ones((4, 2, 8), np.float32)
     for k in range(1, STEPS + 1):
         step_now[0] = k
+        if FAULT == "stall-between" and k == 6:
+            stall_on_rank_1()
         wait_for(pipelined(params, batch))
     print(f"rank {RANK} finished", flush=True)
 

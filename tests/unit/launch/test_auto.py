@@ -226,3 +226,18 @@ def test_bind_local_devices_decides_over_the_hook():
     # the mask the process started with when 2 ranks x 2 fit in it, else that mask.
     assert flags in (None, "") and threads == "2"
     assert mask == (cores[2:4] if len(cores) >= 4 else cores)
+
+
+def test_lone_rank_of_a_host_bound_to_one_core_gets_the_one_thread_flags():
+    """Hosts given 1, 2 and 1 ranks under a plain mpirun: the lone rank of a host, bound
+    to a core by mpirun, runs with the same thread settings as the others; its mask stays."""
+    lone = {"OMPI_COMM_WORLD_LOCAL_RANK": "0", "OMPI_COMM_WORLD_LOCAL_SIZE": "1",
+            "OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4"}
+    s = _plan(lone, cores=[0], node_cores=2)
+    assert dict(s.env)["OMP_NUM_THREADS"] == "1" and s.cores is None
+    assert "--xla_cpu_multi_thread_eigen=false" in dict(s.env)["XLA_FLAGS"]
+    # Alone and unbound (every core), or alone in a job of one: nothing changes.
+    assert not _plan(lone, cores=[0, 1], node_cores=2).changes
+    assert not _plan({**lone, "OMPI_COMM_WORLD_SIZE": "1", "OMPI_COMM_WORLD_RANK": "0"},
+                     cores=[0], node_cores=2).changes
+    assert not _plan(lone, cores=[0], node_cores=2, platform="gpu").changes
