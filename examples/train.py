@@ -23,6 +23,13 @@ the ones `jax.jit` computes from the same global batch. R must divide the rank c
 and the microbatch count. A checkpoint (`--ckpt-dir`) holds one copy of the state,
 written by replica 0, and resumes onto any R.
 
+`--ckpt-dir DIR --save-every K --keep N` saves the state every K steps through a
+`jaxpp_mpi.checkpoint.CheckpointManager` over DIR/ckpt (one directory per step,
+DIR/ckpt/STEP, the N newest kept), in the background while training goes on, and at the
+end; the same command run again resumes from the newest complete step:
+
+    launch/jpprun -n 2 python examples/train.py --steps 100 --ckpt-dir runs/a --save-every 10
+
 `--data-axis D --model-axis M` gives every group D x M devices: the batch's rows are
 split over "data" and the blocks' weights Megatron-style over "model" (attention `qkv`
 and MLP `up` by columns, attention `proj` and MLP `down` by rows), through the step's
@@ -293,9 +300,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--trace", metavar="OUT.json",
                    help="record the step after the warm-up step as a Chrome trace")
     p.add_argument("--ckpt-dir", metavar="DIR",
-                   help="resume from DIR/ckpt when it exists; on SIGTERM/SIGUSR1 (e.g. "
-                        "SLURM preemption) every rank stops after the same step, saves "
-                        "DIR/ckpt and exits 0, so re-running the same command resumes")
+                   help="checkpoints go to DIR/ckpt/STEP (a CheckpointManager): resume from "
+                        "the newest complete step there, save at the end; on "
+                        "SIGTERM/SIGUSR1 (e.g. SLURM preemption) every rank stops after the "
+                        "same step, saves it and exits 0, so re-running the same command "
+                        "resumes")
+    p.add_argument("--save-every", type=int, default=0, metavar="K",
+                   help="with --ckpt-dir: also save every K steps, written in the background "
+                        "while training goes on (0: only at the end and on preemption)")
+    p.add_argument("--keep", type=int, default=2, metavar="N",
+                   help="with --ckpt-dir: keep the N newest steps (default 2)")
     p.add_argument("--quiet", action="store_true",
                    help="print only the check against jax.jit (and errors)")
     return p.parse_args(argv)
@@ -467,11 +481,18 @@ def main(argv=None) -> int:
         state = (opt_state, params)
         first = 0
         ckpt = os.path.join(args.ckpt_dir, "ckpt") if args.ckpt_dir else None
-        found = jaxpp_mpi.checkpoint.find(ckpt, mesh=mesh) if ckpt else None
-        if found is not None:  # the newest complete save, an interrupted one's included
-            first = found.step
+        # Steps DIR/ckpt/STEP; saving every --save-every steps, the --keep newest kept. A
+        # save returns once this rank holds a host copy of its part of the state (the
+        # step may then donate it) and is written in the background; the next save, or
+        # manager.wait(), raises on every rank if it failed.
+        manager = jaxpp_mpi.checkpoint.CheckpointManager(
+            ckpt, mesh=mesh, save_interval_steps=max(1, args.save_every),
+            max_to_keep=max(1, args.keep)) if ckpt else None
+        latest = manager.latest_step() if manager else None
+        if latest is not None:  # the newest complete step, an interrupted save's included
+            first = latest
             like = {"opt_state": opt_state, "params": params, "losses": np.zeros(first)}
-            restored = jaxpp_mpi.checkpoint.restore(ckpt, like, shardings={
+            restored = manager.restore(like, shardings={
                 "opt_state": compiled.in_shardings[0][0],
                 "params": compiled.in_shardings[0][1],
                 "losses": None})
@@ -480,9 +501,9 @@ def main(argv=None) -> int:
             if verbose:
                 print(f"resumed from {ckpt} at step {first}", flush=True)
 
-        def save(step_count: int) -> None:
+        def save(step_count: int, force: bool = False) -> None:
             tree = {"opt_state": state[0], "params": state[1], "losses": np.array(losses)}
-            jaxpp_mpi.checkpoint.save(ckpt, tree, step=step_count, overwrite=True)
+            manager.save(step_count, tree, force=force)
 
         for i in range(first, args.steps):
             with jaxpp_mpi.trace.record() if i == traced else contextlib.nullcontext() as events:
@@ -508,15 +529,19 @@ def main(argv=None) -> int:
                     bubble = predicted_bubble(sched, local_microbatches, trace)
                     if verbose:
                         print(f"wrote {args.trace}", flush=True)
+            if manager and args.save_every:
+                save(i + 1)  # every --save-every steps, in the background
             if ckpt and guard.should_stop():
-                save(i + 1)
+                save(i + 1, force=True)  # after the save in flight, if any
+                manager.close()  # every rank: committed, or raised
                 if verbose:
                     why = guard.received.name if guard.received else "a peer's signal"
                     print(f"stopping after step {i} on {why}; saved {ckpt}; run the same "
                           "command to resume", flush=True)
                 return 0
         if ckpt:
-            save(args.steps)
+            save(args.steps, force=True)
+            manager.close()
     if args.no_check:
         return 0
     # Every rank's final parameters (each group's, in every replica) go to rank 0.

@@ -59,5 +59,5 @@ def test_example_trace_has_tasks_of_both_ranks(run):
 
 def test_example_saves_its_checkpoint(run):
     _, where = run
-    manifest = json.loads((where / "ckpt" / "ckpt" / "manifest.json").read_text())
+    manifest = json.loads((where / "ckpt" / "ckpt" / str(STEPS) / "manifest.json").read_text())
     assert manifest["step"] == STEPS, manifest

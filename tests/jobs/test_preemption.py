@@ -1,7 +1,8 @@
 """SIGTERM mid-training, to one rank or to the launcher (`launch/jpprun`, which passes it
-on as SIGUSR1: Note: Signals to the launcher): all ranks stop after the same step,
-checkpoint and exit 0; re-running the same command resumes, also from a save left
-between its two renames, and ends where an uninterrupted run ends."""
+on as SIGUSR1: Note: Signals to the launcher): all ranks stop after the same step, save
+it through a CheckpointManager (after its background save in flight) and exit 0;
+re-running the same command resumes, also from a save left complete before its rename,
+and ends where an uninterrupted run ends."""
 
 from __future__ import annotations
 
@@ -58,16 +59,19 @@ def test_sigterm_stops_all_ranks_after_one_step_and_resume_finishes(tmp_path, ta
     assert proc.returncode == 0, out
     stops = sorted(ln for ln in out.splitlines() if " stopped at " in ln)
     assert len(stops) == 2, out
-    at = {ln.split()[4] for ln in stops}
-    assert len(at) == 1, f"ranks stopped after different steps: {stops}"
+    stopped = {ln.split()[4] for ln in stops}
+    assert len(stopped) == 1, f"ranks stopped after different steps: {stops}"
+    at = stopped.pop()
     if target == "rank 1":
         assert "SIGTERM" in stops[1]  # rank 1 caught it; rank 0 stopped by agreement
     else:
         assert all(ln.endswith("on SIGUSR1") for ln in stops), stops
-    assert int(at.pop()) < 8, "stopped only at the end"
+    assert int(at) < 8, "stopped only at the end"
 
-    if mid_rename:  # a crash between the two renames of an overwriting save
-        os.rename(tmp_path / "ckpt", tmp_path / ".ckpt.old-0123456789ab")
+    steps = tmp_path / "ckpt"
+    assert (steps / at).is_dir(), sorted(os.listdir(steps))
+    if mid_rename:  # a crash after the manifest, before the rename
+        os.rename(steps / at, steps / f".{at}.tmp-0123456789ab")
     proc = _start(tmp_path)  # the same command again
     out = _finish(proc, [])
     assert proc.returncode == 0, out

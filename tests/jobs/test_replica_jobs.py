@@ -75,7 +75,7 @@ def test_example_with_two_replicas_matches_jit(tmp_path):
     assert rows == [str(i) for i in range(steps)], out
     assert f"max |loss - jax.jit loss| over {steps} steps: " in out, out
     assert "max |param - jax.jit param| on 4 rank(s): " in out, out
-    manifest = json.loads((tmp_path / "ckpt" / "manifest.json").read_text())
+    manifest = json.loads((tmp_path / "ckpt" / str(steps) / "manifest.json").read_text())
     assert (manifest["step"], manifest["mpmd_dim"]) == (steps, 2), manifest
 
 

@@ -42,10 +42,12 @@ from jaxpp_mpi._src.checkpoint import format as fmt
 from jaxpp_mpi._src.checkpoint import leaf_files
 from jaxpp_mpi._src.checkpoint import lock as save_lock
 from jaxpp_mpi._src.checkpoint.format import CheckpointError, Manifest
+from jaxpp_mpi._src.checkpoint.pause import pause_point
 from jaxpp_mpi._src.runtime import agree
 from jaxpp_mpi._src.runtime.failure import deadline, record_work
 
-__all__ = ["Ranks", "commit_checkpoint", "recover"]
+__all__ = ["Ranks", "commit_checkpoint", "complete", "finish_commit", "fsync_dir", "recover",
+           "start_commit"]
 
 Producer = Callable[[], np.ndarray]
 T = TypeVar("T")
@@ -122,7 +124,8 @@ class Ranks:
             f"ranks {differ} passed a different {what} than rank 0"), self.label)
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: str) -> None:
+    """Syncs directory `path` (its entries: files created, renamed, removed)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -134,7 +137,7 @@ def _is_checkpoint(path: str) -> bool:
     return os.path.isdir(path) and os.path.isfile(os.path.join(path, fmt.MANIFEST))
 
 
-def _complete(path: str) -> Manifest | None:
+def complete(path: str) -> Manifest | None:
     """The manifest of `path` when it is a complete checkpoint (manifest readable, every
     leaf file present), else None."""
     try:
@@ -155,7 +158,7 @@ def _interrupted(target: str) -> list[tuple[int, int, str]]:
     found = []
     for kind, pattern in ((1, ".tmp-"), (0, ".old-")):
         for d in glob.glob(os.path.join(parent, glob.escape(f".{name}{pattern}") + "*")):
-            manifest = _complete(d)
+            manifest = complete(d)
             if manifest is not None:
                 step = manifest.step if manifest.step is not None else -1
                 found.append((step, kind, d))
@@ -178,17 +181,17 @@ def recover(target: str, *, locked: bool = False) -> Manifest | None:
       CheckpointError: another save holds the lock while there is something to rename.
     """
     if os.path.lexists(target):
-        return _complete(target)
+        return complete(target)
     if not _interrupted(target):
         return None
     lock = None if locked else save_lock.acquire(target)
     try:
         found = _interrupted(target)  # again, under the lock
         if os.path.lexists(target) or not found:
-            return _complete(target) if os.path.lexists(target) else None
+            return complete(target) if os.path.lexists(target) else None
         os.rename(max(found)[2], target)
-        _fsync_dir(os.path.dirname(target))
-        return _complete(target)
+        fsync_dir(os.path.dirname(target))
+        return complete(target)
     finally:
         if lock is not None:
             save_lock.release(lock)
@@ -218,14 +221,16 @@ def _prepare(target: str, overwrite: bool, step: int | None) -> str:
     return tmp
 
 
-def _finish(tmp: str, target: str, manifest: Manifest) -> None:
-    """Rank 0, step 3 of Note: Atomic commit."""
+def finish_commit(tmp: str, target: str, manifest: Manifest) -> None:
+    """Rank 0, step 3 of Note: Atomic commit: the manifest into `tmp`, synced, then `tmp`
+    renamed to `target`."""
     with open(os.path.join(tmp, fmt.MANIFEST), "w", encoding="utf-8") as f:
         f.write(manifest.to_json())
         f.flush()
         os.fsync(f.fileno())
-    _fsync_dir(os.path.join(tmp, "arrays"))
-    _fsync_dir(tmp)
+    fsync_dir(os.path.join(tmp, "arrays"))
+    fsync_dir(tmp)
+    pause_point("rename", 0)
     parent, name = os.path.split(target)
     if os.path.lexists(target):
         old = os.path.join(parent, f".{name}.old-{secrets.token_hex(6)}")
@@ -234,7 +239,7 @@ def _finish(tmp: str, target: str, manifest: Manifest) -> None:
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.rename(tmp, target)
-    _fsync_dir(parent)
+    fsync_dir(parent)
 
 
 def _write_leaf(tmp: str, leaf: fmt.LeafEntry, produce: Producer) -> int:
@@ -275,12 +280,33 @@ def commit_checkpoint(
       `path` is then unchanged.
     """
     target = os.path.abspath(path)
+    tmp, lock = start_commit(target, overwrite, manifest.step, ranks)
+    try:
+        return _write_and_finish(target, tmp, manifest, mine, ranks, progress)
+    finally:
+        if lock is not None:
+            save_lock.release(lock)
+
+
+def start_commit(target: str, overwrite: bool, step: int | None,
+                 ranks: Ranks) -> tuple[str, save_lock.SaveLock | None]:
+    """Steps 0 and 1 of Note: Atomic commit, collective over `ranks`: rank 0 takes the
+    save lock of `target` and makes the temp dir; every rank learns its name.
+
+    Returns:
+      (the temp dir, the lock on rank 0 / None elsewhere); the caller releases the lock
+      once the rename is done or the save failed.
+
+    Raises:
+      CheckpointError (rank 0's own error there): on every rank, when the lock is held,
+      `target` may not be replaced, or the temp dir cannot be made.
+    """
     tmp, error, lock = None, None, None
     if ranks.rank == 0:
         try:
             os.makedirs(os.path.dirname(target), exist_ok=True)
             lock = save_lock.acquire(target)
-            tmp = _prepare(target, overwrite, manifest.step)
+            tmp = _prepare(target, overwrite, step)
         except Exception as e:  # noqa: BLE001 - sent to every rank, raised there
             error = e
             if lock is not None:
@@ -288,11 +314,7 @@ def commit_checkpoint(
                 lock = None
     tmp, message = ranks.bcast((tmp, agree.describe(error)))
     ranks.raise_gathered([message], error)
-    try:
-        return _write_and_finish(target, tmp, manifest, mine, ranks, progress)
-    finally:
-        if lock is not None:
-            save_lock.release(lock)
+    return tmp, lock
 
 
 def _write_and_finish(target: str, tmp: str, manifest: Manifest,
@@ -319,7 +341,7 @@ def _write_and_finish(target: str, tmp: str, manifest: Manifest,
         error = None
         if ranks.rank == 0:
             try:
-                _finish(tmp, target, manifest)
+                finish_commit(tmp, target, manifest)
             except Exception as e:  # noqa: BLE001 - sent to every rank, raised there
                 error = e
         ranks.raise_gathered([ranks.bcast(agree.describe(error))], error)

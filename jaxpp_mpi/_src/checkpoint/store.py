@@ -22,77 +22,25 @@ from __future__ import annotations
 import glob
 import os
 import secrets
-from collections.abc import Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
 from jaxpp_mpi._src.arrays.array import MpmdArray
-from jaxpp_mpi._src.arrays.comms import _mpi_world_size
 from jaxpp_mpi._src.arrays.mesh import MpmdMesh
 from jaxpp_mpi._src.arrays.sharding import MpmdSharding
 from jaxpp_mpi._src.base.types import PyTree
 from jaxpp_mpi._src.checkpoint import format as fmt
 from jaxpp_mpi._src.checkpoint import leaf_files
-from jaxpp_mpi._src.checkpoint.commit import Producer, Ranks, commit_checkpoint, recover
+from jaxpp_mpi._src.checkpoint.async_save import wait_for_saves
+from jaxpp_mpi._src.checkpoint.commit import commit_checkpoint, recover
 from jaxpp_mpi._src.checkpoint.format import CheckpointError, Manifest
 from jaxpp_mpi._src.checkpoint.plan import Plan, plan_from_shardings
+from jaxpp_mpi._src.checkpoint.snapshot import abstract, describe_save, mesh_of, ranks_of
 
 __all__ = ["find", "load_plan", "load_whole", "read_manifest", "restore", "save",
            "save_plan"]
-
-
-def ranks_of(mesh: MpmdMesh | None, label: str = "checkpoint collective") -> Ranks:
-    """Every rank of `mesh`'s job, every replica's (this process alone in local mode);
-    their collectives wait under the deadline `label` (`Note: deadlines` in
-    runtime/failure.py, `Note: Checkpoints with replicas`).
-
-    In MPI mode waits for this rank's pending computations and message chains first
-    (`chains.quiesce`), so no MPI message of a running step is in flight meanwhile.
-
-    Raises:
-      CheckpointError: no mesh is known in a job of several MPI ranks.
-    """
-    if mesh is None:
-        if _mpi_world_size() > 1:
-            raise CheckpointError(
-                "this MPI job has several ranks but the tree holds no MpmdArray: pass "
-                "mesh= so that the ranks can agree on who writes what"
-            )
-        return Ranks(None)
-    if mesh.is_local:
-        return Ranks(None)
-    from jaxpp_mpi._src.mpi import chains
-
-    chains.quiesce()
-    return Ranks(mesh.job_comm, label)
-
-
-def _writers(mesh: MpmdMesh | None, ranks: Ranks) -> Ranks | None:
-    """The ranks that write a save (`Note: Checkpoints with replicas`): `ranks` itself
-    with one replica; with several, replica 0's pipeline (None on another replica)."""
-    if mesh is None or mesh.is_local or mesh.num_replicas == 1:
-        return ranks
-    return Ranks(mesh.comm, ranks.label) if mesh.replica_idx == 0 else None
-
-
-def _mesh_of(items: Sequence[Any], mesh: MpmdMesh | None) -> MpmdMesh | None:
-    meshes = {x.mpmd_mesh for x in items if isinstance(x, MpmdSharding)}
-    meshes |= {x.mpmd_sharding.mpmd_mesh for x in items if isinstance(x, MpmdArray)}
-    if mesh is not None:
-        meshes.add(mesh)
-    if len(meshes) > 1:
-        raise CheckpointError("the tree's MpmdArrays / shardings live on different meshes")
-    return next(iter(meshes), None)
-
-
-def _abstract(x: Any) -> tuple[tuple[int, ...], np.dtype]:
-    """Shape and dtype of a leaf (Python scalars as numpy makes them)."""
-    if isinstance(x, MpmdArray) or (hasattr(x, "shape") and hasattr(x, "dtype")):
-        return tuple(int(d) for d in x.shape), np.dtype(x.dtype)
-    v = np.asarray(x)
-    return v.shape, v.dtype
 
 
 def save(
@@ -103,7 +51,8 @@ def save(
     mesh: MpmdMesh | None = None,
     overwrite: bool = False,
 ) -> None:
-    """Saves a pytree of MpmdArrays and plain arrays as a checkpoint directory.
+    """Saves a pytree of MpmdArrays and plain arrays as a checkpoint directory;
+    collective in MPI mode: every rank calls it alike.
 
     Every rank calls it with the same tree. An MpmdArray is written once, by the process
     holding its first group (`mesh_ids[0]`), with its placement; a plain leaf (a
@@ -126,33 +75,10 @@ def save(
         different trees, `path` existing (or, with `overwrite`, holding a newer step),
         or a write failing on any rank.
     """
-    paths, leaves, _ = fmt.flatten_with_paths(tree)
-    mesh = _mesh_of(leaves, mesh)
-    ranks = ranks_of(mesh, f"checkpoint save of {path}")
-    writers = _writers(mesh, ranks)
-    plain_writer = writers is not None and writers.rank == 0
-
-    def describe() -> tuple[Manifest, list[tuple[int, Producer]]]:
-        entries, mine = [], []
-        for i, (p, x) in enumerate(zip(paths, leaves)):
-            shape, dtype = _abstract(x)
-            placement = None
-            if isinstance(x, MpmdArray):
-                sharding = x.mpmd_sharding
-                if x.is_deleted():
-                    raise CheckpointError(f"{fmt.format_key_path(p)} was deleted (donated?)")
-                placement = fmt.Placement(sharding.mesh_ids, fmt.encode_spec(sharding.spec))
-                if writers is not None and sharding.mesh_ids[0] in mesh.local_groups:
-                    mine.append((i, lambda x=x, p=p: np.asarray(
-                        x._value_replica(f"saving {fmt.format_key_path(p)}"))))
-            elif plain_writer:
-                mine.append((i, lambda x=x: np.asarray(x)))
-            entries.append(fmt.LeafEntry(p, shape, fmt.dtype_name(dtype), fmt.leaf_file(i),
-                                         placement))
-        return Manifest(tuple(entries), step, None if mesh is None else mesh.mpmd_dim), mine
-
-    manifest, mine = ranks.run(describe)
-    ranks.check_same(manifest.to_json(), "tree (key paths, shapes, dtypes, placement)")
+    wait_for_saves()  # one save at a time: an asynchronous one in flight finishes first
+    described = describe_save(path, tree, step, mesh)
+    manifest, mine, ranks, writers = (described.manifest, described.mine, described.ranks,
+                                      described.writers)
     if writers is ranks:
         commit_checkpoint(path, manifest, mine, ranks, overwrite=overwrite)
         return
@@ -172,7 +98,8 @@ def save(
 
 
 def find(path: str, *, mesh: MpmdMesh | None = None) -> Manifest | None:
-    """The checkpoint to resume from at `path`: its manifest, or None (start afresh).
+    """The checkpoint to resume from at `path`: its manifest, or None (start afresh);
+    collective in MPI mode: every rank calls it alike.
 
     Collective in MPI mode (every rank of the job, every replica, calls it): rank 0
     first completes a save that was interrupted between its two renames (`.NAME.old-*`
@@ -241,7 +168,7 @@ def _check_like(path: str, manifest: Manifest, paths: list, leaves: list) -> Non
             problems.append("the leaves are in another order than in `like`")
     else:
         for leaf, x in zip(manifest.leaves, leaves):
-            shape, dtype = _abstract(x)
+            shape, dtype = abstract(x)
             if shape != leaf.shape or dtype.name != leaf.dtype:
                 problems.append(f"{fmt.format_key_path(leaf.path)}: checkpoint has "
                                 f"{leaf.dtype}{list(leaf.shape)}, `like` {dtype.name}"
@@ -268,7 +195,8 @@ def restore(
     shardings: PyTree = None,
     mesh: MpmdMesh | None = None,
 ) -> PyTree:
-    """Restores a checkpoint into a pytree placed like `like`.
+    """Restores a checkpoint into a pytree placed like `like`; collective in MPI mode:
+    every rank calls it alike.
 
     The manifest is checked against `like` (key paths, shapes, dtypes) before any array
     is read. A leaf placed by an `MpmdSharding` (the leaf of `shardings` if given, else
@@ -308,7 +236,7 @@ def restore(
         bad = [t for t in targets if t is not None and not isinstance(t, MpmdSharding)]
         if bad:
             raise CheckpointError(f"shardings leaves must be MpmdSharding or None, got {bad[0]!r}")
-    mesh = _mesh_of(targets, mesh)
+    mesh = mesh_of(targets, mesh)
     ranks = ranks_of(mesh, f"checkpoint restore of {path}")
 
     def check() -> Manifest:
@@ -423,7 +351,8 @@ def load_whole(path: str, like: PyTree = None) -> PyTree:
 
 def save_plan(path: str, shardings: PyTree, like: PyTree = None) -> Plan:
     """Writes a placement plan (e.g. `compile(...).in_shardings`, or the sub-tree matching
-    a checkpoint's tree) as JSON, for the reshard utility and `load_plan`.
+    a checkpoint's tree) as JSON, for the reshard utility and `load_plan`; collective
+    in MPI mode: every rank calls it alike.
 
     In MPI mode every rank calls it; rank 0 writes and the others wait for it.
 
@@ -437,7 +366,7 @@ def save_plan(path: str, shardings: PyTree, like: PyTree = None) -> Plan:
       The plan written.
     """
     plan = plan_from_shardings(shardings, like)
-    mesh = _mesh_of(jax.tree.leaves(shardings), None)
+    mesh = mesh_of(jax.tree.leaves(shardings), None)
     ranks = ranks_of(mesh, f"plan save of {path}")
 
     def write() -> None:

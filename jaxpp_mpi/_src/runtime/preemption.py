@@ -13,9 +13,15 @@ Note: preemption.
   that never reaches it ends the job instead of hanging it.
 
   Keep the guard open over the whole run, the final save included (a SIGTERM during
-  that save then only sets the flag). A SIGTERM to the launcher reaches the ranks as
-  SIGUSR1 through `launch/jpprun` (Open MPI's mpirun would kill the ranks on SIGTERM
-  but forwards SIGUSR1) and as SIGTERM through the SLURM template (docs/reliability.md).
+  that save then only sets the flag). With a `checkpoint.CheckpointManager` saving in
+  the background, the final save is `manager.save(step, state, force=True)` then
+  `manager.wait()`: the save still in flight is committed first (the next save waits
+  for it, Note: Background saves in checkpoint/background.py), then the final step, so
+  the job exits with its newest step on disk; the signal handler never touches a save
+  (the background writers run on, and a signal only sets the flag). A SIGTERM to the
+  launcher reaches the ranks as SIGUSR1 through `launch/jpprun` (Open MPI's mpirun
+  would kill the ranks on SIGTERM but forwards SIGUSR1) and as SIGTERM through the
+  SLURM template (docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -34,12 +40,15 @@ class PreemptionGuard:
     """Catches preemption signals and decides, on all ranks alike, when to stop.
 
     Example:
+      manager = checkpoint.CheckpointManager(run_dir, mesh=mesh, save_interval_steps=100)
       with jaxpp_mpi.PreemptionGuard(mesh) as guard:
           for step in range(start, num_steps):
               state = train_step(state, batch)
+              manager.save(step + 1, state)  # every 100th step, in the background
               if guard.should_stop():
-                  checkpoint.save(ckpt_dir, state, step + 1)
+                  manager.save(step + 1, state, force=True)  # after the one in flight
                   break
+      manager.wait()
 
     Args:
       mpmd_mesh: the job's `MpmdMesh` (MPI mode: every rank of the job decides, every

@@ -3,9 +3,11 @@
     launch/jpprun -n 2 python tests/jobs/harness/preempt_training.py DIR
 
 Trains the tiny MLP of tests/models.py (one stage per rank, 1F1B) for STEPS steps,
-resuming from the checkpoint `checkpoint.find` finds at DIR/ckpt (an interrupted save's
-included). Under a `PreemptionGuard`, after every step all ranks ask `should_stop()`;
-when some rank got SIGTERM (or SIGUSR1) they all save DIR/ckpt and exit 0.
+resuming from the newest step of a `CheckpointManager` over DIR/ckpt (an interrupted
+save's included), which saves every 2nd step in the background. Under a
+`PreemptionGuard`, after every step all ranks ask `should_stop()`; when some rank got
+SIGTERM (or SIGUSR1) they all save the step (after the save in flight), wait for it and
+exit 0.
 A fresh run (no checkpoint) first trains STEPS steps uninterrupted and stores what each
 rank holds in DIR/reference_rank{r}.npz; a run that reaches STEPS stores the same in
 DIR/final_rank{r}.npz. Each step sleeps PAUSE_S so that the test can signal mid-run.
@@ -43,14 +45,14 @@ def main(directory: str) -> None:
     step_fn, opt = make_step(loss_fn, jaxpp_mpi.Std1F1B(2))
     step = jaxpp_mpi.mpmd_jit_with_loop(step_fn, mpmd_mesh=mesh)
     state = {"opt_state": opt.init(params), "params": params}
-    ckpt = os.path.join(directory, "ckpt")
+    manager = checkpoint.CheckpointManager(os.path.join(directory, "ckpt"), mesh=mesh,
+                                           save_interval_steps=2, max_to_keep=2)
     first = 0
-    found = checkpoint.find(ckpt, mesh=mesh)
+    found = manager.latest_step()
     if found is not None:
         in_sh, _ = step.compile(state["opt_state"], state["params"], batch).in_shardings
-        state = checkpoint.restore(ckpt, state, shardings={"opt_state": in_sh[0],
-                                                           "params": in_sh[1]})
-        first = found.step
+        state = manager.restore(state, shardings={"opt_state": in_sh[0], "params": in_sh[1]})
+        first = found
         print(f"rank {rank} resumed at {first}", flush=True)
     else:
         ref = (state["opt_state"], state["params"])
@@ -62,9 +64,11 @@ def main(directory: str) -> None:
             opt_state, params = step(state["opt_state"], state["params"], batch)[:2]
             state = {"opt_state": opt_state, "params": params}
             print(f"rank {rank} step {s + 1}", flush=True)
+            manager.save(s + 1, state)  # every 2nd step, in the background
             time.sleep(PAUSE_S)
             if guard.should_stop():
-                checkpoint.save(ckpt, state, step=s + 1, overwrite=True)
+                manager.save(s + 1, state, force=True)  # after the save in flight
+                manager.wait()
                 print(f"rank {rank} stopped at {s + 1} on {guard.received and guard.received.name}",
                       flush=True)
                 return
