@@ -18,6 +18,7 @@ _apply_auto_settings()
 # public name -> private module under jaxpp_mpi._src
 _EXPORTS = {
     "MpmdCompiled": "driver.compiled",
+    "process_allgather": "driver.fetch",
     "MpmdFunction": "frontend.api",
     "mpmd_jit_with_loop": "frontend.api",
     "mpmd_jit_by_yield": "frontend.by_yield",
@@ -88,6 +89,7 @@ if TYPE_CHECKING:  # what static tools see; the same names as _EXPORTS
     from jaxpp_mpi._src.arrays.sharding import MpmdSharding as MpmdSharding
     from jaxpp_mpi._src.base.errors import CompileError as CompileError
     from jaxpp_mpi._src.driver.compiled import MpmdCompiled as MpmdCompiled
+    from jaxpp_mpi._src.driver.fetch import process_allgather as process_allgather
     from jaxpp_mpi._src.frontend.api import MpmdFunction as MpmdFunction
     from jaxpp_mpi._src.frontend.api import mpmd_jit_with_loop as mpmd_jit_with_loop
     from jaxpp_mpi._src.frontend.by_yield import mpmd_jit_by_yield as mpmd_jit_by_yield

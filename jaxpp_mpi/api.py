@@ -2,14 +2,17 @@
 
 A script written for JaxPP imports `jaxpp.api` (or `from jaxpp.api import ...`); with
 `import jaxpp_mpi.api as jaxpp` it finds the same names here, plus `make_mpmd_mesh` for
-the one line a port changes besides the import (the mesh line). docs/porting-from-jaxpp.md
-lists the names JaxPP's module has and this one does not, and why.
+the one line a port changes besides the import (the mesh line), and `process_allgather`
+for a result read on every process (JaxPP's processes read their own replica).
+docs/porting-from-jaxpp.md lists the names JaxPP's module has and this one does not,
+and why.
 """
 
 from jaxpp_mpi._src.arrays.array import MpmdArray as MpmdArray
 from jaxpp_mpi._src.arrays.make_mesh import make_mpmd_mesh as make_mpmd_mesh
 from jaxpp_mpi._src.arrays.mesh import MpmdMesh as MpmdMesh
 from jaxpp_mpi._src.arrays.sharding import MpmdSharding as MpmdSharding
+from jaxpp_mpi._src.driver.fetch import process_allgather as process_allgather
 from jaxpp_mpi._src.frontend.api import mpmd_jit_with_loop as mpmd_jit_with_loop
 from jaxpp_mpi._src.frontend.by_yield import mpmd_jit_by_yield as mpmd_jit_by_yield
 from jaxpp_mpi._src.primitives.cross_mpmd import cross_mpmd_all_reduce as cross_mpmd_all_reduce
@@ -57,6 +60,7 @@ __all__ = [
     "mpmd_to_spmd_reshard",
     "pipeline_enter_stage",
     "place_with",
+    "process_allgather",
     "spmd_to_mpmd_reshard",
     "treduce",
     "treduce_i",

@@ -1,8 +1,9 @@
 """MpmdArrays a compiled step returns and takes, in local mode, against `jax.jit`.
 
 A step's results convert and format as the same step's `jax.jit` results do
-(`f"{loss:.3f}"`, `float`, `int`, `bool`, `len`, iteration), and an argument held on
-only some of its groups (partially addressable) gives `jax.jit`'s results.
+(`f"{loss:.3f}"`, `float`, `int`, `bool`, `len`, iteration; `process_allgather` of the
+whole tree), and an argument held on only some of its groups (partially addressable)
+gives `jax.jit`'s results.
 """
 
 from __future__ import annotations
@@ -91,3 +92,16 @@ def test_partially_addressable_argument(runs):
     np.testing.assert_allclose(float(got[0]), float(reference[0]), rtol=RTOL, atol=ATOL)
     for a, b in zip(jax.tree.leaves(got[3]), jax.tree.leaves(reference[3])):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=RTOL, atol=ATOL)
+
+
+def test_process_allgather_reads_the_whole_tree_like_jax_jit(runs):
+    """The explicit read in local mode: every leaf of a step's results as numpy, equal to
+    `jax.jit`'s, with the same tree structure; no message (one process)."""
+    _, _, _, reference, got = runs
+    values = jaxpp_mpi.process_allgather(got)
+    assert jax.tree.structure(values) == jax.tree.structure(reference)
+    for a, b in zip(jax.tree.leaves(values), jax.tree.leaves(reference)):
+        assert isinstance(a, np.ndarray) and a.shape == b.shape and a.dtype == b.dtype
+        np.testing.assert_allclose(a, np.asarray(b), rtol=RTOL, atol=ATOL)
+    loss = got[0]
+    assert float(jaxpp_mpi.process_allgather(loss)) == float(loss)

@@ -2,15 +2,15 @@
 
 Every ```python block of docs/*.md (DESIGN.md aside) and of README.md runs: a page's
 blocks in order, in one namespace, in a fresh Python process of its own (the test
-session's environment: 8 CPU devices, so the snippets' meshes run in local mode). A
-block preceded by `<!-- not run: why -->` is skipped (it needs MPI ranks, or changes the
-process); ```bash and ```text blocks are never run. A failing block's traceback names
-the page and its line.
+session's environment: 8 CPU devices, so the snippets' meshes run in local mode); a
+block preceded by `<!-- separate program: why -->` starts a fresh process, and one
+preceded by `<!-- not run: why -->` is skipped (tests/doc_pages.py); ```bash and
+```text blocks are never run. A failing block's traceback names the page and its line.
+The same programs run under MPI in tests/jobs/test_docs_mpi.py.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import re
@@ -19,101 +19,22 @@ import sys
 from pathlib import Path
 
 import pytest
+from doc_pages import (
+    DOCS,
+    DRIVER,
+    GUIDE,
+    README,
+    ROOT,
+    anchors,
+    code_blocks,
+    program_json,
+    programs,
+    prose,
+    runnable,
+)
 
-ROOT = Path(__file__).resolve().parents[2]
-DOCS = ROOT / "docs"
-GUIDE = sorted(p for p in DOCS.glob("*.md") if p.name != "DESIGN.md")
-README = ROOT / "README.md"
 BENCH_README = ROOT / "bench" / "README.md"
-
-_FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>```+|~~~+)[ \t]*(?P<lang>[\w+-]*)")
-_NOT_RUN = re.compile(r"^\s*<!--\s*not run:\s*\S.*-->\s*$")
 _LINK = re.compile(r"\[[^\]]*\]\(\s*([^)\s]+)(?:\s+\"[^\"]*\")?\s*\)")
-_CODE_SPAN = re.compile(r"(`+).*?\1")
-
-
-@dataclasses.dataclass(frozen=True)
-class Block:
-    """One fenced code block of a page."""
-
-    lang: str
-    line: int  # 1-based line of the block's first code line
-    code: str
-    run: bool  # False when a `<!-- not run: ... -->` comment precedes it
-
-
-def code_blocks(text: str) -> list[Block]:
-    """The fenced code blocks of a markdown text, indented ones (in list items) dedented."""
-    lines = text.splitlines()
-    blocks, i = [], 0
-    while i < len(lines):
-        m = _FENCE.match(lines[i])
-        if m is None:
-            i += 1
-            continue
-        indent, fence = len(m["indent"]), m["fence"]
-        j = i + 1
-        while j < len(lines) and not lines[j].strip().startswith(fence):
-            j += 1
-        body = [line[indent:] if not line[:indent].strip() else line.lstrip()
-                for line in lines[i + 1:j]]
-        run = not (i > 0 and _NOT_RUN.match(lines[i - 1]))
-        blocks.append(Block(m["lang"].lower(), i + 2, "\n".join(body), run))
-        i = j + 1
-    return blocks
-
-
-def outside_fences(text: str) -> list[str]:
-    """The lines of a markdown text outside its fenced blocks."""
-    out, inside = [], None
-    for line in text.splitlines():
-        m = _FENCE.match(line)
-        if m and inside is None:
-            inside = m["fence"]
-        elif inside is not None and line.strip().startswith(inside):
-            inside = None
-        elif inside is None:
-            out.append(line)
-    return out
-
-
-def prose(text: str) -> str:
-    """The text outside fenced blocks and code spans (where links are links)."""
-    return "\n".join(_CODE_SPAN.sub("", line) for line in outside_fences(text))
-
-
-def slug(heading: str) -> str:
-    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to '-'."""
-    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
-
-
-def anchors(path: Path) -> set[str]:
-    """The anchors of a markdown file's headings (repeated ones numbered as GitHub does)."""
-    seen: dict[str, int] = {}
-    out = set()
-    for line in outside_fences(path.read_text()):
-        m = re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)
-        if m:
-            base = slug(m[1].replace("`", ""))
-            n = seen.get(base, 0)
-            seen[base] = n + 1
-            out.add(base if n == 0 else f"{base}-{n}")
-    return out
-
-
-def runnable(path: Path) -> list[Block]:
-    return [b for b in code_blocks(path.read_text()) if b.lang == "python" and b.run]
-
-
-# Executes a page's blocks in one namespace, each compiled under the page's name with its
-# own line numbers, so a traceback points into the markdown file.
-_DRIVER = """
-import json, sys
-page, blocks = json.load(sys.stdin)
-namespace = {"__name__": "__main__"}
-for line, code in blocks:
-    exec(compile("\\n" * (line - 1) + code + "\\n", page, "exec"), namespace)
-"""
 
 
 def _page_env() -> dict[str, str]:
@@ -132,12 +53,17 @@ PAGES_WITH_CODE = [p for p in [README, *GUIDE] if runnable(p)]
 
 @pytest.mark.parametrize("page", PAGES_WITH_CODE, ids=lambda p: p.name)
 def test_python_blocks_run(page: Path, tmp_path: Path):
-    blocks = [(b.line, b.code) for b in runnable(page)]
-    proc = subprocess.run([sys.executable, "-c", _DRIVER],
-                          input=json.dumps([str(page), blocks]), capture_output=True,
-                          text=True, cwd=tmp_path, env=_page_env(), timeout=600)
-    assert proc.returncode == 0, (f"{page.relative_to(ROOT)}: a python block failed\n"
-                                  f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    driver = tmp_path / "driver.py"
+    driver.write_text(DRIVER)
+    for k, program in enumerate(programs(page)):
+        listed = tmp_path / f"program{k}.json"
+        listed.write_text(json.dumps([program_json(page, program)]))
+        proc = subprocess.run([sys.executable, str(driver), str(listed)],
+                              capture_output=True, text=True, cwd=tmp_path,
+                              env=_page_env(), timeout=600)
+        assert proc.returncode == 0, (
+            f"{page.relative_to(ROOT)}: a python block of the program from line "
+            f"{program[0].line} failed\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
 
 
 @pytest.mark.parametrize("page", GUIDE, ids=lambda p: p.name)
@@ -171,6 +97,21 @@ def test_relative_links_resolve(page: Path):
         elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
             broken.append(f"{target}: no heading with anchor #{anchor} in {dest.name}")
     assert not broken, f"{page.relative_to(ROOT)}: " + "; ".join(broken)
+
+
+READING_RESULTS = "pipelined-step.md#reading-results"
+
+
+@pytest.mark.parametrize("page", PAGES_WITH_CODE, ids=lambda p: p.name)
+def test_pages_that_read_results_link_to_reading_results(page: Path):
+    """A page whose code reads a step's result (where held, or on every rank) points to
+    the one section that says how (docs/pipelined-step.md, "Reading results")."""
+    code = "\n".join(b.code for b in runnable(page))
+    reads = re.search(r"process_allgather|is_partially_addressable|to_mpmd_local_array", code)
+    text = page.read_text()
+    linked = READING_RESULTS in text or (page.name == "pipelined-step.md"
+                                         and "(#reading-results)" in text)
+    assert not reads or linked, f"{page.name} reads results but does not link {READING_RESULTS}"
 
 
 def test_readme_starts_with_the_commands_a_new_user_runs():

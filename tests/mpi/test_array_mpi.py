@@ -1,5 +1,6 @@
-"""A step's MpmdArray results under mpirun: read on every rank (a collective fetch from
-their holders, as `jax.jit`'s results read), formatted where held.
+"""A step's MpmdArray results under mpirun: read where held (no message), on every rank
+through `jaxpp_mpi.process_allgather`, formatted where held and shown as their repr
+elsewhere.
 
 Runs under `launch/jpprun -n 2` and `-n 4`, one group per rank.
 """
@@ -55,25 +56,26 @@ def runs():
     return mesh, reference, got
 
 
-def _read_everywhere(x: MpmdArray, ref: jax.Array) -> list[str]:
-    """Every rank reads `x` (Note: reading values): the values equal jax.jit's; format
-    gives the value where held and the repr elsewhere, with no message."""
+def _read(x: MpmdArray, ref: jax.Array) -> list[str]:
+    """`x` read where held (implicitly) and everywhere (explicitly, on every rank at once,
+    Note: reading values): the values equal jax.jit's; format gives the value where held
+    and the repr elsewhere, with no message."""
     problems = []
-    if x.ndim == 0:
-        if not np.isclose(float(x), float(ref), rtol=RTOL, atol=ATOL):
-            problems.append(f"float {float(x)} != {float(ref)}")
-        if bool(x) != bool(ref) or int(x) != int(ref):
-            problems.append("bool/int differ")
-    else:
-        rows = [float(r) for r in x]
-        if not np.allclose(rows, np.asarray(ref), rtol=RTOL, atol=ATOL):
-            problems.append(f"rows {rows} != {np.asarray(ref)}")
-    if not np.allclose(np.asarray(x), np.asarray(ref), rtol=RTOL, atol=ATOL):
-        problems.append(f"np.asarray {np.asarray(x)} != {np.asarray(ref)}")
+    whole = jaxpp_mpi.process_allgather(x)
+    if not np.allclose(whole, np.asarray(ref), rtol=RTOL, atol=ATOL):
+        problems.append(f"process_allgather {whole} != {np.asarray(ref)}")
     if x.is_partially_addressable:
-        held = x.to_mpmd_local_array
-        if x.ndim == 0 and f"{x:.3f}" != f"{held:.3f}":
-            problems.append(f"format {x:.3f} != {held:.3f}")
+        if x.ndim == 0:
+            if not np.isclose(float(x), float(ref), rtol=RTOL, atol=ATOL):
+                problems.append(f"float {float(x)} != {float(ref)}")
+            if bool(x) != bool(ref) or int(x) != int(ref):
+                problems.append("bool/int differ")
+            if f"{x:.3f}" != f"{x.to_mpmd_local_array:.3f}":
+                problems.append(f"format {x:.3f}")
+        else:
+            rows = [float(r) for r in x]
+            if not np.allclose(rows, np.asarray(ref), rtol=RTOL, atol=ATOL):
+                problems.append(f"rows {rows} != {np.asarray(ref)}")
     elif f"{x:.3f}" != repr(x) or x.to_mpmd_local_array is not None:
         problems.append(f"format on a non-holder gave {x:.3f}")
     return problems
@@ -84,7 +86,7 @@ def test_results_read_on_every_rank(runs):
     mesh, (ref_loss, ref_idx, ref_losses, _), (loss, idx, losses, _) = runs
     problems = []
     for x, ref in ((loss, ref_loss), (idx, ref_idx), (losses, ref_losses)):
-        problems += _read_everywhere(x, ref)
+        problems += _read(x, ref)
         if len(x.shape) and len(x) != len(ref):  # metadata: known on every rank
             problems.append(f"len {len(x)} != {len(ref)}")
     holders = WORLD.allgather(loss.is_partially_addressable)

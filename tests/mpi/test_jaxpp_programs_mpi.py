@@ -3,8 +3,10 @@ written as JaxPP's examples, tutorial and tests write them (the import and the m
 line changed, `jaxpp_mpi.make_mpmd_mesh`), and checked on every rank against `jax.jit`
 of the same function (or numpy) in this process:
 
-- examples/basic.py: a step decorated with `mpmd_jit_with_loop`, its results printed
-  with `np.array(...)` and checked on every process (Note: reading values, fetch.py);
+- examples/basic.py: a step decorated with `mpmd_jit_with_loop`, its loss printed
+  on every process with its one-line fix under several processes (`np.array(
+  jaxpp.process_allgather(loss))`, Note: reading values in driver/fetch.py: JaxPP's
+  `np.array(loss)` reads a value every process holds, here only its group's rank does);
 - examples/mpmd_reshard.py: "initialise with SPMD, then run the pipeline": arrays made
   by this rank's `jax.jit` over a spec naming the MPMD axis, given to `compile` and to
   the step, resharded with `compile(...).in_shardings` and back;
@@ -131,14 +133,17 @@ def test_basic_example_prints_and_checks_results_on_every_rank(capsys):
     pipelined = _basic_train_step(loss_fn(True), optimizer, num_ubatches, jaxpp_mesh)
     pp_state, pp_params, pp_loss, pp_preds = pipelined(opt_state, params,
                                                        batch=hidden_states)
-    print(f"Done first step JAXPP, loss: {np.array(pp_loss)}")  # every rank reads it
+    # PORT: was print(f"Done first step JAXPP, loss: {np.array(pp_loss)}")
+    print(f"Done first step JAXPP, loss: {np.array(jaxpp.process_allgather(pp_loss))}")
     state, new_params, loss, preds = jitted(opt_state, params, hidden_states)
     shown = capsys.readouterr().out  # the values, not a repr, on every rank
     problems = [] if shown.startswith("Done first step JAXPP, loss: [") else [shown]
-    for name, ref, got in (("opt state", state, pp_state), ("params", new_params, pp_params),
-                           ("loss", loss, pp_loss), ("preds", preds, pp_preds)):
-        for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(got)):
-            if not _close(a, b):  # np.asarray(b): a collective read, on every rank
+    results = (pp_state, pp_params, pp_loss, pp_preds)
+    whole = jaxpp.process_allgather(results)  # every leaf, on every rank
+    for name, ref, got, read in zip(("opt state", "params", "loss", "preds"),
+                                    (state, new_params, loss, preds), results, whole):
+        for a, b, w in zip(jax.tree.leaves(ref), jax.tree.leaves(got), jax.tree.leaves(read)):
+            if not _close(a, w):
                 problems.append(name)
             held = b.to_mpmd_local_array  # JaxPP's own check, where held
             if held is not None and not _close(a, held):
@@ -149,7 +154,7 @@ def test_basic_example_prints_and_checks_results_on_every_rank(capsys):
         state, new_params, loss, preds = jitted(state, new_params, hidden_states)
         pp_state, pp_params, pp_loss, pp_preds = pipelined(pp_state, pp_params,
                                                            batch=hidden_states)
-        if not _close(np.array(loss).sum(), np.array(pp_loss).sum()):
+        if not _close(np.array(loss).sum(), jaxpp.process_allgather(pp_loss).sum()):
             problems.append("training loss")
     _everywhere(not problems, f"rank {RANK}: {problems}")
 
@@ -200,7 +205,8 @@ def test_mpmd_reshard_example_initialises_with_spmd_then_runs_the_pipeline():
     compiled = accumulation_loop.compile(weights, x, x)  # arrays over the MPMD axis
     problems = []
     # Handed straight to the step, they are taken whole, as JaxPP takes them.
-    if not all(_close(e, g) for e, g in zip(expected, compiled(weights, x, x))):
+    direct = jaxpp.process_allgather(compiled(weights, x, x))
+    if not all(_close(e, g) for e, g in zip(expected, direct)):
         problems.append("direct call")
     args_mpmd_shardings, _ = compiled.in_shardings
     resharded = jaxpp.spmd_to_mpmd_reshard(mpmd_mesh, [weights, x, x],
@@ -427,7 +433,8 @@ def test_mpi_and_local_mode_give_the_same_bits_sharded_groups():
     results = [jaxpp.mpmd_jit_with_loop(functools.partial(train_step, schedule=schedule),
                                         mpmd_mesh=mesh)(ws, optimizer.init(ws), xs)
                for mesh in (ranks, local)]
-    by_mpi, by_local = ([np.asarray(leaf) for leaf in jax.tree.leaves(r)] for r in results)
+    by_mpi = jax.tree.leaves(jaxpp.process_allgather(results[0]))  # every rank
+    by_local = [np.asarray(leaf) for leaf in jax.tree.leaves(results[1])]
     want = jax.jit(functools.partial(train_step, schedule=None))(ws, optimizer.init(ws), xs)
     problems = [i for i, (a, b) in enumerate(zip(by_mpi, by_local)) if not np.array_equal(a, b)]
     problems += [f"jit {i}" for i, (a, b) in enumerate(zip(jax.tree.leaves(want), by_local))
@@ -502,7 +509,7 @@ def test_tutorial_cells_with_interleaved_stages():
             got = pp_train_step(got[0], xs, targets)
             print(f"Training loss after step {i + 1}: {got[1]}")  # a repr where not held
     problems = [] if "Mesh(" in unstack_text else [unstack_text]
-    for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+    for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(jaxpp.process_allgather(got))):
         if not _close(a, b):
             problems.append(f"{b} differs")
     step = got[0].step
@@ -512,6 +519,6 @@ def test_tutorial_cells_with_interleaved_stages():
         problems.append(f"held: {held}")
     if [a.sharding.mesh.devices.size for a in held.values()] != [K] * len(held):
         problems.append("replica meshes")
-    if int(step) != 2:  # every rank reads the counter
-        problems.append(f"step {int(step)}")
+    if int(jaxpp.process_allgather(step)) != 2:  # every rank reads the counter
+        problems.append(f"step {step}")
     _everywhere(not problems, f"rank {RANK}: {problems}")

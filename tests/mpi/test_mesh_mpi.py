@@ -15,6 +15,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from mpi4py import MPI
 
+import jaxpp_mpi
 from jaxpp_mpi._src.arrays.array import MpmdArray, mpmd_array_from_local
 from jaxpp_mpi._src.arrays.make_mesh import make_mpmd_mesh
 from jaxpp_mpi._src.arrays.mesh import MpmdMesh
@@ -161,7 +162,7 @@ def test_array_addressability(mesh, owners):
     assert a.shape == value.shape and a.dtype == np.float32
     # The value's sharding, known on every rank (JaxPP's): on the submesh of its groups.
     assert a.sharding == NamedSharding(mesh.mpmd_submesh(ids).jax_mesh, spec)
-    np.testing.assert_array_equal(np.asarray(a), value)  # every rank reads it
+    np.testing.assert_array_equal(jaxpp_mpi.process_allgather(a), value)  # every rank
     if owned:
         local = a.to_mpmd_local_array
         assert isinstance(local, jax.Array)

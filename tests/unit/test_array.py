@@ -103,7 +103,8 @@ def test_unused_value_sharding(mesh42):
     assert not a.is_partially_addressable and a.mpmd_idxs == frozenset()
     with pytest.raises(ValueError, match="held by no group"):
         s.sharding
-    with pytest.raises(TypeError, match="np.asarray needs the value"):
+    with pytest.raises(RuntimeError, match=r"np.asarray of an MpmdArray of shape \(4, 2\) "
+                                           r"and dtype float32 held by groups \(\)"):
         np.asarray(a)
 
 
@@ -262,10 +263,11 @@ def test_metadata_only_local(mesh42):
     assert a.aval == jax.core.ShapedArray((8, 6), jnp.float32)
     assert a.sharding.mesh == _submesh(mesh42, (0, 2))
     assert len(a) == 8 and a.block_until_ready() is a
-    message = (r"needs the value of MpmdArray\(shape=\(8, 6\).*groups=\(0, 2\).*this "
-               r"process holds no replica of it \(metadata only.*mpmd_array_from_local")
+    message = (r"of an MpmdArray of shape \(8, 6\) and dtype float32 held by groups "
+               r"\(0, 2\): this process holds no replica of it \(metadata only.*"
+               r"mpmd_array_from_local")
     for convert in (np.asarray, list, bool):
-        with pytest.raises(TypeError, match=message):
+        with pytest.raises(RuntimeError, match=message):
             convert(a)
     assert f"{a:.3f}" == repr(a)  # as a jax.Array on other processes' devices formats
     assert not a.is_deleted()
@@ -348,15 +350,16 @@ def test_mpi_not_owned(mpi_mesh):
     assert a.to_mpmd_local_array is None and a.first_mpmd_replica is None
     assert a.shape == (8, 6) and a.dtype == np.float32
     assert a.block_until_ready() is a
-    # Reading the value is collective here (tests/unit/test_fetch.py); the metadata is
+    # Reading the value raises here, at once (tests/unit/test_fetch.py); the metadata is
     # known everywhere, and formatting never communicates.
     assert len(a) == 8
-    assert f"{a:.3f}" == repr(a)  # as a jax.Array on other processes' devices formats
+    assert f"{a:.3f}" == repr(a) == str(a)  # as a jax.Array on other processes' devices
     assert a.sharding == NamedSharding(AbstractMesh((2, 2), ("stage", "data")), P("data"))
     assert a.sharding.mesh == mpi_mesh.mpmd_submesh([0, 2]).jax_mesh
-    with pytest.raises(TypeError, match=r"needs the value .*groups \(0, 2\), not on this "
-                                        r"rank \(1\)"):
-        a._value_replica("np.asarray")
+    for read in (np.asarray, float, list):
+        with pytest.raises(RuntimeError, match=r"held by groups \(0, 2\), not by this rank's "
+                                               r"group \(1\): an implicit read never sends"):
+            read(a)
     assert "groups=(0, 2)" in repr(a)
     a.delete()
     assert a.is_deleted()
@@ -407,3 +410,20 @@ def test_mpi_owned_not_first(mpi_mesh):
     assert a.first_mpmd_replica is None
     assert a._partially_addressable_arrays == {1: a.to_mpmd_local_array}
     np.testing.assert_array_equal(np.asarray(a.to_mpmd_local_array), _value())
+
+
+def test_array_module_imports_nothing_above_its_layer():
+    """Implicit reads are local (Note: implicit reads are local), so `arrays/array.py`
+    imports nothing from a higher layer, at module level or inside a function."""
+    import ast
+    from pathlib import Path
+
+    import jaxpp_mpi._src.arrays.array as module
+
+    above = ("compiler", "runtime", "driver", "frontend", "reshard", "checkpoint", "planner")
+    tree = ast.parse(Path(module.__file__).read_text())
+    imported = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module]
+    imported += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    upward = [m for m in imported if m.startswith("jaxpp_mpi._src.")
+              and m.split(".")[2] in above]
+    assert not upward, upward

@@ -50,3 +50,11 @@ def test_schedules_module_has_jaxpps_schedule_names():
              "ZeroBubble", "Interleaved1F1B", "KimiK2", "DualPipeV", "Task"}
     assert names <= set(jaxpp_mpi.schedules.__all__)
     assert jaxpp_mpi.InterleavedBaseSchedule is jaxpp_mpi.schedules.InterleavedBaseSchedule
+
+
+def test_process_allgather_is_public_and_says_it_is_collective():
+    """The explicit read of results on every rank (Note: reading values): exported at
+    the top, in `jaxpp_mpi.api` for ports, and collective by its first docstring line."""
+    assert "process_allgather" in jaxpp_mpi.__all__
+    assert jaxpp_mpi.api.process_allgather is jaxpp_mpi.process_allgather
+    assert jaxpp_mpi.process_allgather.__doc__.startswith("Collective: every rank reads")

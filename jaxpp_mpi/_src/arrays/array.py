@@ -16,12 +16,20 @@ Note: Array placement.
   here (`sharding_for`: reshards, `mpmd_init`, checkpoints) lies on its group's mesh
   with every axis, the MPMD axis of size 1 (`MpmdMesh.unstack[i]`), as JaxPP's; a
   step's results lie on the same devices without that axis (`group_mesh(i)`), an
-  equivalent layout. What needs the value (`np.asarray`, `float`, `int`, `bool`,
-  iteration...) reads it as `Note: reading values` (fetch.py) says: the lowest held
-  replica, or, in MPI mode where some group does not hold it, a collective read that
-  every rank makes. `format` never communicates: the value where held, else the repr,
-  as a `jax.Array` that spans other processes' devices does, so a log line written on
-  one rank only does not stop an MPI job.
+  equivalent layout.
+
+Note: implicit reads are local.
+  What needs the value (`np.asarray`, `float`, `int`, `bool`, `complex`,
+  `operator.index`, iteration) reads the lowest replica held here and sends no message,
+  in either mode. Where this process holds no replica it raises `RuntimeError` at once
+  (as `np.asarray` of a `jax.Array` spanning other processes' devices does), naming the
+  array's shape, dtype and holding groups and the two ways to read it: the replica held
+  on those groups' ranks (`x.to_mpmd_local_array`), or `jaxpp_mpi.process_allgather`,
+  the explicit read that every rank makes (`Note: reading values` in driver/fetch.py).
+  So a guard like `if x.is_partially_addressable: float(x)` never waits for a peer, and
+  this module needs nothing from the layers above it. `format(x)` and `str(x)` (f-strings,
+  print) never raise or communicate: the value where held, else the repr, a placeholder
+  naming shape, dtype and groups.
 """
 
 from __future__ import annotations
@@ -255,70 +263,69 @@ class MpmdArray:
         """True after `delete()`, or when a replica was deleted (e.g. donated)."""
         return self._deleted or any(arr.is_deleted() for arr in self._arrays)
 
-    # -- conversion (Note: Array placement, Note: reading values in fetch.py) ---------
+    # -- conversion (Note: implicit reads are local) ---------------------------------
 
     def _value_replica(self, op: str) -> jax.Array:
-        """The lowest replica held here, read without any message (the step's and a
-        local reshard's own reads).
+        """The lowest replica held here, read without any message (see Note: implicit
+        reads are local).
 
         Raises:
-          TypeError: this process holds no replica; the message names the holders.
+          RuntimeError: this process holds no replica; the message names the array's
+            shape, dtype and holders, and how to read it.
         """
         if self._arrays:
             return self._arrays[0]
         ids = self._mpmd_sharding.mesh_ids
         mesh = self._mpmd_sharding.mpmd_mesh
+        what = (f"{op} of an MpmdArray of shape {self._shape} and dtype {self._dtype.name} "
+                f"held by groups {ids}")
         if mesh.is_local:
-            raise TypeError(
-                f"{op} needs the value of {self!r}, but this process holds no replica "
-                f"of it (metadata only: built without the arrays of groups {ids}); "
-                "build it with its data, e.g. mpmd_array_from_local(mesh, value, "
-                "mpmd_sharding)"
-            )
-        raise TypeError(
-            f"{op} needs the value of {self!r}, which lives on groups {ids}, not on "
-            f"this rank ({mesh.my_mpmd_axis_index}): read it on every rank (np.asarray, "
-            "float... fetch it from its holder), or on a rank of those groups "
-            "(.to_mpmd_local_array)"
-        )
-
-    def _value(self, op: str) -> Any:
-        """The value `op` reads (Note: reading values, in fetch.py): the lowest held
-        replica, or, in MPI mode where some group does not hold the array, the value
-        fetched from its lowest holder by a read that every rank makes."""
-        from jaxpp_mpi._src.driver import fetch  # a collective: above this module's layer
-
-        if fetch.is_collective_read(self):
-            return fetch.read_value(self, op)
-        return self._value_replica(op)
+            raise RuntimeError(
+                f"{what}: this process holds no replica of it (metadata only: built "
+                f"without the arrays of groups {ids}); build it with its data, e.g. "
+                "mpmd_array_from_local(mesh, value, mpmd_sharding)")
+        if not ids:
+            raise RuntimeError(f"{what}: no group holds its value (an unused value's "
+                               "metadata), so no rank can read it")
+        raise RuntimeError(
+            f"{what}, not by this rank's group ({mesh.my_mpmd_axis_index}): an implicit "
+            "read never sends a message. Read it where it is held, on a rank of groups "
+            f"{ids} (x.to_mpmd_local_array; e.g. `if x.is_partially_addressable: "
+            "float(x)`), or on every rank at once, explicitly: "
+            "jaxpp_mpi.process_allgather(x) (collective: every rank of the pipeline calls "
+            "it)")
 
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
-        """The value as a numpy array; collective in MPI mode where some group does
-        not hold it (Note: reading values, in fetch.py)."""
+        """The value as a numpy array, read where held; raises elsewhere (see Note:
+        implicit reads are local)."""
         kwargs = {} if copy is None else {"copy": copy}
-        return np.asarray(self._value("np.asarray"), dtype=dtype, **kwargs)
+        return np.asarray(self._value_replica("np.asarray"), dtype=dtype, **kwargs)
 
     def __format__(self, format_spec: str) -> str:
-        """The value formatted where held, else the repr; never collective (Note:
-        Array placement)."""
+        """The value formatted where held, else the repr; never raises for lack of a
+        replica, never communicates (Note: implicit reads are local)."""
         if not self._arrays:  # as a jax.Array spanning other processes' devices does
             return repr(self)
         return format(self._arrays[0], format_spec)
 
+    def __str__(self) -> str:
+        """The value where held (as `str` of a `jax.Array`), else the repr; no message."""
+        return str(self._arrays[0]) if self._arrays else repr(self)
+
     def __bool__(self) -> bool:
-        return bool(self._value("bool()"))
+        return bool(self._value_replica("bool()"))
 
     def __int__(self) -> int:
-        return int(self._value("int()"))
+        return int(self._value_replica("int()"))
 
     def __float__(self) -> float:
-        return float(self._value("float()"))
+        return float(self._value_replica("float()"))
 
     def __complex__(self) -> complex:
-        return complex(self._value("complex()"))
+        return complex(self._value_replica("complex()"))
 
     def __index__(self) -> int:
-        return operator.index(self._value("operator.index()"))
+        return operator.index(self._value_replica("operator.index()"))
 
     def __len__(self) -> int:
         if not self._shape:
@@ -326,12 +333,11 @@ class MpmdArray:
         return self._shape[0]
 
     def __iter__(self) -> Iterator[jax.Array]:
-        """Iterates the first axis of the value, as `jax.Array`s (collective as
-        `np.asarray` is)."""
+        """Iterates the first axis of the value held here, as `jax.Array`s (raises where
+        none is held, as `np.asarray` does)."""
         if not self._shape:
             raise TypeError("iteration over a 0-d array")  # as numpy and jax.Array say
-        value = self._value("iteration")
-        return iter(value if isinstance(value, jax.Array) else jax.numpy.asarray(value))
+        return iter(self._value_replica("iteration"))
 
     def __repr__(self) -> str:
         state = ", deleted" if self._deleted else ""

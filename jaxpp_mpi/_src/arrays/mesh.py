@@ -52,7 +52,8 @@ def _describe(mesh: Mesh) -> str:
 
 
 class MpmdMesh(GroupViews):
-    """A JAX mesh partitioned into MPMD groups along `mpmd_axis_name`.
+    """A JAX mesh partitioned into MPMD groups along `mpmd_axis_name`; building one in
+    MPI mode is collective: every rank of its communicator builds it alike.
 
     See Note: Mesh modes. Two meshes are equal (and hash equal) when their device
     layout, MPMD axis, mode, own MPMD index and (MPI mode) ranks are equal; the

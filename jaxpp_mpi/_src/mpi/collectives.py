@@ -21,6 +21,7 @@ from jaxpp_mpi._src.mpi.wire import from_wire, to_wire, wire_like
 
 __all__ = [
     "allgather",
+    "allgather_bytes",
     "allgather_object",
     "allreduce_max_int",
     "bcast",
@@ -116,6 +117,40 @@ def gather_bytes(data: bytes, comm: MPI.Comm, root: int = 0) -> list[bytes] | No
     out = np.empty(int(sizes.sum()), np.uint8)
     comm.Gatherv([mine, MPI.BYTE], [out, sizes.tolist(), displs.tolist(), MPI.BYTE], root=root)
     return [out[d : d + n].tobytes() for d, n in zip(displs, sizes)]
+
+
+_MAX_ROUND_BYTES = 2**31 - 1  # MPI's int counts and displacements
+
+
+def allgather_bytes(data: bytes, sizes: list[int], comm: MPI.Comm) -> list[np.ndarray]:
+    """Every rank's `data` on every rank (collective, pickle-free): one Allgatherv,
+    more only when the ranks' bytes together pass MPI's 2 GiB count limit.
+
+    Args:
+      data: this rank's bytes, `sizes[rank]` of them (may be empty).
+      sizes: every rank's byte count, known on every rank alike.
+      comm: the communicator.
+
+    Returns:
+      One uint8 array per rank, in rank order.
+    """
+    n, me = comm.Get_size(), comm.Get_rank()
+    mine = np.frombuffer(data, np.uint8)
+    chunk = max(1, _MAX_ROUND_BYTES // n)
+    rounds = max(1, -(-max(sizes) // chunk))
+    out = [np.empty(s, np.uint8) for s in sizes] if rounds > 1 else None
+    for k in range(rounds):
+        lo = k * chunk
+        counts = [max(0, min(s - lo, chunk)) for s in sizes]
+        displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+        recv = np.empty(int(sum(counts)), np.uint8)
+        comm.Allgatherv([mine[lo:lo + counts[me]], MPI.BYTE],
+                        [recv, counts, displs.tolist(), MPI.BYTE])
+        if out is None:
+            return [recv[d:d + c] for d, c in zip(displs, counts)]
+        for r, (d, c) in enumerate(zip(displs, counts)):
+            out[r][lo:lo + c] = recv[d:d + c]
+    return out
 
 
 def bcast_bytes(data: bytes | None, comm: MPI.Comm, root: int = 0) -> bytes:

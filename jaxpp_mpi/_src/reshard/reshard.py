@@ -65,7 +65,8 @@ def spmd_to_mpmd_reshard(
     mpmd_mesh: MpmdMesh, spmd_arrays: PyTree, mpmd_shardings: PyTree,
     threshold: int | None = None, *, process_local: bool = False,
 ) -> PyTree:
-    """Reshards a pytree of SPMD arrays to `MpmdArray`s (see Note: SPMD layouts).
+    """Reshards a pytree of SPMD arrays to `MpmdArray`s (see Note: SPMD layouts);
+    collective: every rank of the mesh calls it alike.
 
     Args:
       mpmd_mesh: the mesh.
@@ -103,7 +104,8 @@ def mpmd_to_spmd_reshard(
     mpmd_mesh: MpmdMesh, mpmd_arrays: PyTree, spmd_shardings: PyTree,
     threshold: int | None = None, *, process_local: bool = False,
 ) -> PyTree:
-    """Reshards a pytree of `MpmdArray`s to SPMD arrays (see Note: SPMD layouts).
+    """Reshards a pytree of `MpmdArray`s to SPMD arrays (see Note: SPMD layouts);
+    collective: every rank of the mesh calls it alike.
 
     Args:
       mpmd_mesh: the mesh.
