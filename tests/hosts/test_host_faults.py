@@ -169,7 +169,8 @@ def test_a_link_cut_inside_a_step_names_the_peer_host_and_ends_the_job(
 def test_a_link_cut_between_steps_ends_the_job_at_the_step_deadline(
         make_hosts, host_env, tmp_path):
     """The ranks meet in the next step's call agreement, which waits under the step's
-    deadline, while the other collectives keep their automatic 300 s."""
+    deadline, while the other collectives keep their automatic 300 s; each names the
+    peer it waits for and its host (`Note: watched allgather` in mpi/gather.py)."""
     hosts = make_hosts(2)
     job = Job(hosts, _jpprun(hosts, "host_faults.py", "between", str(tmp_path)),
               _env(host_env, JAXPP_MPI_STEP_TIMEOUT=str(STEP_DEADLINE_S),
@@ -187,9 +188,11 @@ def test_a_link_cut_between_steps_ends_the_job_at_the_step_deadline(
         deadline = _deadline_of(rank0[0])
         assert deadline == STEP_DEADLINE_S, out  # the step's, not the 300 s of others
         assert since_fault < deadline + GRACE_S + SLACK_S, f"{since_fault:.1f} s\n{out}"
-        for waits in (rank0, job.rank_err(1, what, deadline + SLACK_S)):
+        rank1 = job.rank_err(1, what, deadline + SLACK_S)
+        for waits, peer in ((rank0, "rank 1 on host h2"), (rank1, "rank 0 on host h1")):
             assert waits and "(the step's deadline" in waits[0], waits
-            assert "rank 0 on h1, rank 1 on h2" in waits[0], waits[0]
+            assert f"; it waits for {peer} (stalled, or lost" in waits[0], waits[0]
+            assert "where the ranks run: rank 0 on h1, rank 1 on h2" in waits[0], waits[0]
     finally:
         hosts.link_up("h2")
         _nothing_left(hosts, job)

@@ -130,17 +130,23 @@ def test_watchdog_deadline_adapts_to_back_to_back_steps():
     assert since_fault < deadline + GRACE_S + 8, f"{since_fault:.1f} s after the fault"
 
 
-def test_a_stall_between_steps_ends_the_job_at_the_learnt_step_deadline():
-    """Rank 1 stalls before calling step 6 of 8 back-to-back steps: rank 0 waits in the
-    step call agreement under the step's learnt deadline (the floor set to 2 s here, 60 s
-    by default), not the 300 s of other collectives (`Note: deadlines`)."""
-    rc, out, since_fault = run_fault("stall-between", JAXPP_MPI_WATCHDOG_FLOOR="2",
+@pytest.mark.parametrize("fault, stalled", [("stall-between", 1), ("stall-between-0", 0)])
+def test_a_stall_between_steps_ends_the_job_at_the_learnt_step_deadline(fault, stalled):
+    """One rank stalls before calling step 6 of 8 back-to-back steps: the other waits in
+    the step call agreement under the step's learnt deadline (the floor set to 2 s here,
+    60 s by default), not the 300 s of other collectives (`Note: deadlines`), and names
+    the rank it waits for and its host (rank 0 the stalled rank, the others rank 0:
+    `Note: watched allgather`)."""
+    rc, out, since_fault = run_fault(fault, JAXPP_MPI_WATCHDOG_FLOOR="2",
                                      JAXPP_MPI_WATCHDOG_GRACE=str(GRACE_S),
                                      JAXPP_MPI_FAULT_STAMP="1")
     assert rc != 0, out
-    waits = [ln for ln in out.splitlines()
-             if ln.startswith("[rank 0] jaxpp_mpi deadline: waiting in step call agreement")]
+    waiting = 1 - stalled
+    waits = [ln for ln in out.splitlines() if ln.startswith(
+        f"[rank {waiting}] jaxpp_mpi deadline: waiting in step call agreement")]
     assert len(waits) == 1 and "(the step's deadline, the watchdog's;" in waits[0], out
+    named = f"; it waits for rank {stalled} on host {socket.gethostname()} (stalled, or lost"
+    assert named in waits[0], waits[0]
     deadline = float(re.search(r"past its deadline of ([0-9.]+) s", waits[0])[1])
     assert 2 <= deadline < 60, waits  # learnt: the floor, or 20 x a slow first step
     assert since_fault < deadline + GRACE_S + 8, f"{since_fault:.1f} s after the fault"

@@ -5,7 +5,10 @@ Note: raise on every rank.
   messages that never come. So every decision that may fail is taken collectively: each
   rank reports its own outcome (an error's one-line description, a digest, a hash) with
   one object allgather (or rank 0 decides and broadcasts), and every rank raises when
-  any rank failed or the ranks disagree. `comm=None` means this process alone (local
+  any rank failed or the ranks disagree. On an MPI communicator the allgather is the
+  watched one (`Note: watched allgather` in mpi/gather.py): the same list, from
+  point-to-point messages, so that past its deadline each waiting rank names the peers
+  it waits for and their hosts. `comm=None` means this process alone (local
   mode, a single-process job): nothing is communicated and a rank's own error is
   raised as it is.
 
@@ -29,12 +32,13 @@ Note: idle waits.
   `wait_idle`: a non-blocking barrier tested every `IDLE_POLL_S`, sleeping between
   tests, which costs a rank at most that much latency once every rank has arrived.
   Collectives on a step's path (the step call agreement) do not: there the ranks arrive
-  together.
+  together, and the watched allgather sleeps between its own tests once it has waited
+  200 us (from 50 us up to 1 ms), so a rank waiting in it takes no core either.
 
-Only mpi4py's object collectives of a communicator handed in are used here; nothing
-here imports MPI. Modules outside `mpi/` that need the MPI layer itself reach it through
-`collectives()`, imported on first use: mpi4py initialises MPI on import, and local
-mode must not need it.
+Only mpi4py's object collectives of a communicator handed in, and the MPI layer's
+watched allgather, are used here; nothing here imports MPI. Modules outside `mpi/` that
+need the MPI layer itself reach it through `collectives()`, imported on first use:
+mpi4py initialises MPI on import, and local mode must not need it.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from jaxpp_mpi._src.base.types import Comm
-from jaxpp_mpi._src.runtime.failure import deadline, record_work
+from jaxpp_mpi._src.runtime.failure import deadline, is_mpi, record_work
 
 if TYPE_CHECKING:
     from jaxpp_mpi._src.ir.program import Program
@@ -91,6 +95,14 @@ def collectives() -> ModuleType:
     return module
 
 
+def _gather() -> ModuleType:
+    """The MPI layer's watched allgather (`jaxpp_mpi._src.mpi.gather`), imported on
+    first use (it imports mpi4py)."""
+    from jaxpp_mpi._src.mpi import gather as module
+
+    return module
+
+
 def describe(error: BaseException | None) -> str | None:
     """One line naming `error`'s type and text, as ranks exchange it; None for None."""
     return None if error is None else f"{type(error).__name__}: {error}"
@@ -99,6 +111,10 @@ def describe(error: BaseException | None) -> str | None:
 def allgather(obj: Any, comm: Comm, label: str = LABEL, *, seconds: float | None = None,
               how: str | None = None) -> list[Any]:
     """Every rank's `obj`, element `r` from rank `r` (`[obj]` when `comm` is None).
+
+    On an MPI communicator, the watched allgather (`Note: watched allgather` in
+    mpi/gather.py): past the deadline this rank names the peers it still waits for. A
+    stand-in communicator's own `allgather` otherwise.
 
     Args:
       obj: a small picklable value (metadata, never array data).
@@ -112,8 +128,14 @@ def allgather(obj: Any, comm: Comm, label: str = LABEL, *, seconds: float | None
     """
     if comm is None:
         return [obj]
-    with deadline(label, comm, seconds=seconds, how=how):
-        return comm.allgather(obj)
+    if not is_mpi(comm):
+        with deadline(label, comm, seconds=seconds, how=how):
+            return comm.allgather(obj)
+    gather = _gather()
+    progress = gather.Progress()
+    with deadline(label, comm, seconds=seconds, how=how,
+                  waiting_on=lambda: progress.waiting):
+        return gather.allgather(obj, comm, progress)
 
 
 def bcast(obj: Any, comm: Comm, root: int = 0, label: str = LABEL) -> Any:

@@ -47,8 +47,11 @@ Note: deadlines.
   limit) with the watchdog's daemon thread (no second thread); past its limit the
   daemon prints `[rank r] jaxpp_mpi deadline: waiting in <label> for N s ...`, waits
   the grace period (so the other waiting ranks print theirs) and aborts the job, as the
-  watchdog does. The limit: JAXPP_MPI_DEADLINE seconds (unset: JAXPP_MPI_STEP_TIMEOUT's
-  value when it is a number), else 300 s; a collective that follows long work waits at
+  watchdog does. An agreement (agree.py) tells the deadline which peers it still waits
+  for (`waiting_on`, from `Note: watched allgather` in mpi/gather.py), so the report
+  names them and their hosts: `it waits for rank 1 on host h2`. The limit:
+  JAXPP_MPI_DEADLINE seconds (unset: JAXPP_MPI_STEP_TIMEOUT's value when it is a
+  number), else 300 s; a collective that follows long work waits at
   least `work_factor` (5) x the slowest such work recorded under its label with
   `record_work`: this rank's own (`agree.run` measures tracing and compiling, which its
   peers do too) or what a peer may be doing (a checkpoint's largest file at 100 MB/s).
@@ -60,9 +63,11 @@ Note: deadlines.
   automatic deadline is the step's own (the watchdog's, learnt: max(60 s, 20 x the
   slowest step) once 3 steps ran), or `work_factor` x the longest this rank's loop
   spent between two calls when longer (`step_call_deadline_s`); a number given in
-  JAXPP_MPI_DEADLINE or JAXPP_MPI_STEP_TIMEOUT applies as it is. A report names where
-  the communicator's ranks run when they span several hosts (`Note: rank hosts` in
-  runtime/hosts.py); the abort is bounded (`Note: bounded abort` in launch/abort.py).
+  JAXPP_MPI_DEADLINE or JAXPP_MPI_STEP_TIMEOUT applies as it is. A report names the
+  peers this rank waits for and their hosts (rank 0 the ranks not arrived, the others
+  rank 0), and where the communicator's ranks run when they span several hosts (`Note:
+  rank hosts` in runtime/hosts.py); the abort is bounded (`Note: bounded abort` in
+  launch/abort.py).
 """
 
 from __future__ import annotations
@@ -72,7 +77,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from jaxpp_mpi._src.base import config
@@ -80,11 +85,11 @@ from jaxpp_mpi._src.base.config import Options
 from jaxpp_mpi._src.launch.abort import bounded
 from jaxpp_mpi._src.launch.abort import install_abort_on_exception as install_abort_on_exception
 from jaxpp_mpi._src.launch.abort import prefixed as _prefixed
-from jaxpp_mpi._src.runtime.hosts import describe_hosts, hosts_of
+from jaxpp_mpi._src.runtime.hosts import describe_hosts, describe_peers, hosts_of
 from jaxpp_mpi._src.schedules.tasks import describe_label as describe_task
 
 __all__ = ["Watchdog", "deadline", "deadline_s", "describe_task",
-           "install_abort_on_exception", "record_work", "step_call_deadline_s"]
+           "install_abort_on_exception", "is_mpi", "record_work", "step_call_deadline_s"]
 
 _POLL_S = 0.25
 _watched: weakref.WeakSet[Watchdog] = weakref.WeakSet()
@@ -162,7 +167,7 @@ def step_call_deadline_s(options: Options, step_deadline_s: float | None,
     return max(step_deadline_s, options.work_factor * slowest_gap_s)
 
 
-def _is_mpi(comm: Any) -> bool:
+def is_mpi(comm: Any) -> bool:
     """Whether `comm` is an mpi4py communicator (a stand-in's `Abort` is its own)."""
     mpi = sys.modules.get("mpi4py.MPI")
     return mpi is not None and isinstance(comm, mpi.Comm)
@@ -172,11 +177,23 @@ class _Wait:
     """One collective in progress under a deadline (see `Note: deadlines`)."""
 
     def __init__(self, label: str, limit: float, rank: int, abort: Callable[[int], None],
-                 grace: float, how: str, peers: str = ""):
+                 grace: float, how: str, hosts: Sequence[str | None] = (),
+                 waiting_on: Callable[[], Sequence[int]] | None = None):
         self.label, self.limit, self.rank, self.abort = label, limit, rank, abort
-        self.grace, self.how, self.peers = grace, how, peers
+        self.grace, self.how, self.hosts, self.waiting_on = grace, how, hosts, waiting_on
         self.start = time.monotonic()
         self.fired = False
+
+    def _who(self) -> str:
+        """`it waits for rank 1 on host h2` (`waiting_on`'s ranks now), else that some
+        peer has not arrived."""
+        try:
+            ranks = list(self.waiting_on()) if self.waiting_on is not None else []
+        except Exception:  # noqa: BLE001 - the report goes out without the peers
+            ranks = []
+        if not ranks:
+            return "a peer rank has not reached it"
+        return f"it waits for {describe_peers(ranks, self.hosts)}"
 
     def check(self) -> None:
         """One look (from the monitor thread): report and abort when past the limit."""
@@ -184,11 +201,12 @@ class _Wait:
         if self.fired or elapsed <= self.limit:
             return
         self.fired = True
-        where = f"; where the ranks run: {self.peers}" if self.peers else ""
+        peers = describe_hosts(self.hosts)
+        where = f"; where the ranks run: {peers}" if peers else ""
         sys.stderr.write(_prefixed(self.rank, (
             f"jaxpp_mpi deadline: waiting in {self.label} for {elapsed:.1f} s, past its "
-            f"deadline of {self.limit:.1f} s ({self.how}); a peer rank has not reached "
-            f"it (stalled, or lost{where}).\naborting the MPI job in {self.grace:g} s")))
+            f"deadline of {self.limit:.1f} s ({self.how}); {self._who()} (stalled, or "
+            f"lost{where}).\naborting the MPI job in {self.grace:g} s")))
         sys.stderr.flush()
         time.sleep(self.grace)
         self.abort(1)
@@ -207,7 +225,8 @@ def _world() -> Any:
 @contextlib.contextmanager
 def deadline(label: str, comm: Any = None, *, seconds: float | None = None,
              abort: Callable[[int], None] | None = None,
-             how: str | None = None) -> Iterator[None]:
+             how: str | None = None,
+             waiting_on: Callable[[], Sequence[int]] | None = None) -> Iterator[None]:
     """Runs the body, a collective that every rank reaches, under a deadline (see
     `Note: deadlines`): past it, this rank prints where it waits and aborts the job.
 
@@ -224,10 +243,14 @@ def deadline(label: str, comm: Any = None, *, seconds: float | None = None,
       abort: ends the job with a status (default `comm.Abort`, bounded: `Note:
         bounded abort`).
       how: where `seconds` comes from, for the report (default "given").
+      waiting_on: the ranks of `comm` this rank waits for now (`Note: watched
+        allgather` in mpi/gather.py), called by the watchdog's thread when the deadline
+        passes, so it must not call MPI; the report names them and their hosts.
+        None: the report says that some peer has not arrived.
     """
     if comm is None:
         comm = _world()
-    if abort is None and _is_mpi(comm):
+    if abort is None and is_mpi(comm):
         abort = bounded(comm.Abort, int(comm.Get_rank()))  # Note: bounded abort
     abort = abort or getattr(comm, "Abort", None)
     o = config.options()
@@ -241,7 +264,7 @@ def deadline(label: str, comm: Any = None, *, seconds: float | None = None,
            "JAXPP_MPI_DEADLINE" if o.deadline_s is not None else
            "automatic; set JAXPP_MPI_DEADLINE to change it")
     wait = _Wait(label, limit, int(comm.Get_rank()), abort, o.watchdog_grace_s, how,
-                 describe_hosts(hosts_of(comm)))
+                 hosts_of(comm), waiting_on)
     with _monitor_lock:
         _waits.add(wait)
         _ensure_monitor()

@@ -10,7 +10,9 @@ Note: rank hosts.
   replicas', the job's) on the thread that calls MPI (translating ranks between
   groups is an MPI call), and passes the names down as data: to the watchdog's words
   (`describe_instr` in runtime/mpi.py) and to a deadline's report (`deadline` in
-  failure.py). Unknown (a stand-in communicator, no mesh yet): no host is named.
+  failure.py: the peers an agreement waits for, `describe_peers`, and where all the
+  ranks run, `describe_hosts`). Unknown (a stand-in communicator, no mesh yet): no
+  host is named.
   Nothing here imports mpi4py; an MPI call is made only on a communicator handed in.
 """
 
@@ -22,7 +24,7 @@ from typing import Any
 
 from jaxpp_mpi._src.arrays.mesh_agreement import rank_ranges
 
-__all__ = ["describe_hosts", "host_of", "hosts_of", "note_hosts"]
+__all__ = ["describe_hosts", "describe_peers", "host_of", "hosts_of", "note_hosts"]
 
 _by_world: dict[int, str] = {}  # world rank -> host name
 
@@ -80,3 +82,13 @@ def describe_hosts(hosts: Sequence[str | None]) -> str:
     if len(by_host) < 2:
         return ""
     return ", ".join(f"{rank_ranges(ranks)} on {host}" for host, ranks in by_host.items())
+
+
+def describe_peers(ranks: Sequence[int], hosts: Sequence[str | None]) -> str:
+    """The peers `ranks` and their hosts, e.g. `rank 3 on host h2` or `ranks 1-2 on host
+    h1, rank 5 on host h3` (`rank 3` alone where its host is unknown)."""
+    by_host: dict[str | None, list[int]] = {}
+    for rank in sorted(ranks):
+        by_host.setdefault(hosts[rank] if 0 <= rank < len(hosts) else None, []).append(rank)
+    return ", ".join(rank_ranges(peers) + (f" on host {host}" if host else "")
+                     for host, peers in by_host.items())

@@ -2,7 +2,7 @@
 tests/jobs/test_faults.py and bench/faults.py. Usage: faults.py FAULT, FAULT one of
 none, stage-exception, trace-exception, stall, sigkill (in step 1), stall-step6 (stage 1
 stalls in step 6 of 8 back-to-back steps), stall-between (rank 1 stalls before calling
-step 6 of 8), stall-trace (rank 1 stalls while tracing),
+step 6 of 8), stall-between-0 (rank 0 does), stall-trace (rank 1 stalls while tracing),
 and, without any step, rank 1 stalling before: stall-should-stop
 (`PreemptionGuard.should_stop`), stall-save (`checkpoint.save`), stall-reshard
 (`spmd_to_mpmd_reshard`), stall-user (a user's bcast under `jaxpp_mpi.launch.deadline`).
@@ -39,19 +39,20 @@ def stamp() -> None:
         print(f"fault at {time.time()}", flush=True)
 
 
-STEPS = 8 if FAULT in ("stall-step6", "stall-between") else 3
+STEPS = 8 if FAULT in ("stall-step6", "stall-between", "stall-between-0") else 3
 step_now = [0]  # the step the host loop is in (it waits for each step's results)
 
 
-def stall_on_rank_1() -> None:
-    if RANK == 1:
+def stall(rank: int = 1) -> None:
+    """Rank `rank` (1 unless given) stalls here for 10 minutes; the others go on."""
+    if RANK == rank:
         stamp()
         time.sleep(600)
 
 
 def outside_the_step(mesh) -> None:
     """Rank 1 stalls before a collective outside the step; rank 0 waits in it."""
-    stall_on_rank_1()
+    stall()
     if FAULT == "stall-should-stop":
         with jaxpp_mpi.PreemptionGuard(mesh) as guard:
             guard.should_stop()
@@ -72,7 +73,7 @@ def on_rank_1_in_stage_1(x):
         return
     if FAULT == "stall-step6":
         if step_now[0] == 6:
-            stall_on_rank_1()
+            stall()
         return
     stamp()
     if FAULT == "stage-exception":
@@ -117,7 +118,7 @@ def main() -> None:
             stamp()
             raise ValueError("deliberate exception while tracing on rank 1")
         if FAULT == "stall-trace":
-            stall_on_rank_1()
+            stall()
         grad = partial(jax.value_and_grad(probed_loss(on_rank_1_in_stage_1)), params)
         return jaxpp_mpi.treduce(grad, batch, schedule=jaxpp_mpi.Std1F1B(size))
 
@@ -126,7 +127,9 @@ def main() -> None:
     for k in range(1, STEPS + 1):
         step_now[0] = k
         if FAULT == "stall-between" and k == 6:
-            stall_on_rank_1()
+            stall()
+        if FAULT == "stall-between-0" and k == 6:
+            stall(0)
         wait_for(pipelined(params, batch))
     print(f"rank {RANK} finished", flush=True)
 
