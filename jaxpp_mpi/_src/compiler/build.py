@@ -2,7 +2,8 @@
 
     trace_step ─▶ split_body ─▶ assign_loop_homes ─▶ assign_outer_homes
       ─▶ build_loop_tasks ─▶ outer_segments ─▶ segment_tasks (segment_tasks.py: exports,
-      donations) ─▶ TaskGraph ─▶ build_program_with_names
+      donations) ─▶ TaskGraph ─▶ lower_cached (program_cache.py: the lowering, or the
+      program an earlier launch lowered)
 
 Every pass is a function of plain data; this module only wires them and names the
 step's inputs and outputs. Nothing here touches devices: `StepPlan` is the same on
@@ -24,10 +25,11 @@ from jaxpp_mpi._src.base.errors import CompileError
 from jaxpp_mpi._src.base.types import Spec
 from jaxpp_mpi._src.compiler import replicas
 from jaxpp_mpi._src.compiler.homes import LoopHomes, assign_loop_homes, assign_outer_homes
+from jaxpp_mpi._src.compiler.internal_errors import internal_error
 from jaxpp_mpi._src.compiler.keys import aval_of, is_key, key_impl
 from jaxpp_mpi._src.compiler.loop_tasks import Exe, build_loop_tasks
-from jaxpp_mpi._src.compiler.lower import build_program_with_names
 from jaxpp_mpi._src.compiler.outer import OuterNames, input_value, outer_segments
+from jaxpp_mpi._src.compiler.program_cache import ProgramCache, lower_cached
 from jaxpp_mpi._src.compiler.segment_tasks import segment_tasks
 from jaxpp_mpi._src.compiler.split import split_body
 from jaxpp_mpi._src.compiler.task_graph import TaskGraph, TaskNode, Value
@@ -77,6 +79,8 @@ class StepPlan:
       step_jaxpr: the traced step the plan was built from (its first inputs are the
         constants, then the flat arguments): what the ranks compare (`Note: step
         fingerprints` in compiler/fingerprint.py).
+      program_from_cache: whether the program was read from the program cache rather
+        than lowered (`Note: program cache` in compiler/program_cache.py).
     """
 
     program: Program
@@ -99,6 +103,7 @@ class StepPlan:
     num_replicas: int = 1
     replica_microbatches: int = 0
     step_jaxpr: jex_core.Jaxpr | None = None
+    program_from_cache: bool = False
 
     @property
     def num_groups(self) -> int:
@@ -301,6 +306,7 @@ def build_step(
     arg_names: Sequence[str] | None = None,
     task_times_ms: Mapping[str, float] | None = None,
     sends: str = "blocking",
+    program_cache: ProgramCache | None = None,
 ) -> StepPlan:
     """Compiles `fun(*args)` into a StepPlan for `num_groups` MPMD groups.
 
@@ -324,6 +330,8 @@ def build_step(
         messages for them (`build_program_with_names`).
       sends: how the runtime sends ("blocking" or "posted", `simulate.runtime_sends`):
         the lowering times its candidate orders that way.
+      program_cache: where lowered programs are kept across processes (`Note: program
+        cache` in compiler/program_cache.py), or None.
 
     Returns:
       The StepPlan.
@@ -395,9 +403,10 @@ def build_step(
     if task_times_ms:
         _check_task_times(graph, task_times_ms, what)
     try:
-        program, buffer_names = build_program_with_names(graph, task_times_ms, sends)
-    except ValueError as e:
-        raise CompileError(f"{what}: internal error while building the program: {e}") from e
+        program, buffer_names, from_cache = lower_cached(graph, task_times_ms, sends,
+                                                         program_cache)
+    except ValueError as e:  # a failed internal check: a bug of the compiler
+        raise internal_error(what, e, split) from e
     if num_replicas > 1:
         program = replicas.add_reductions(program, buffer_names, loop_outs,
                                           loop_homes.out_groups, params["ops"],
@@ -423,4 +432,5 @@ def build_step(
         num_replicas=num_replicas,
         replica_microbatches=n_local,
         step_jaxpr=jaxpr,
+        program_from_cache=from_cache,
     )

@@ -75,12 +75,16 @@ def _lower_best(graph: TaskGraph, sends: str = "blocking") -> tuple[Program, Buf
     order under every model; the eligible one with the best mean wins, the earlier one
     (the round order first) on ties. So no graph gets a program slower under any of
     `task_models.MODELS` than the round order. A round order already at the graph's own
-    timeline under every model (`task_models.dataflow_scores`: GPipe, 1F1B) is kept
-    without walking.
+    timeline under every model (`task_models.dataflow_scores`: GPipe) is kept without
+    walking; once a timed order wins at that timeline (1F1B with its fused last stage,
+    after the first walk), the walks stop: that timeline bounds every program's scores
+    from below, so no later candidate could win (they would only tie, and ties keep the
+    earlier one). The result is the one all the walks would give.
     """
     rounds = _finish(RoundWalk(graph))
     base = task_models.scores(rounds[0], sends)
-    if all(x <= y + 1e-9 for x, y in zip(base, task_models.dataflow_scores(graph))):
+    bound = task_models.dataflow_scores(graph)
+    if _at_bound(base, bound):
         return rounds  # already the graph's own timeline under every model
     best, best_mean = rounds, sum(base) / len(base)
     estimates = (task_models.estimate(graph, m) for m in task_models.ESTIMATES)
@@ -89,7 +93,15 @@ def _lower_best(graph: TaskGraph, sends: str = "blocking") -> tuple[Program, Buf
         mean = sum(scores) / len(scores)
         if all(x <= y + 1e-9 for x, y in zip(scores, base)) and mean < best_mean - 1e-9:
             best, best_mean = candidate, mean
+            if _at_bound(scores, bound):
+                break  # no later candidate's mean can be lower by more than the tolerance
     return best
+
+
+def _at_bound(scores: tuple[float, ...], bound: tuple[float, ...]) -> bool:
+    """Whether `scores` reach the graph's dataflow timeline (`dataflow_scores`, a lower
+    bound of every program's scores) under every model, within the tolerance."""
+    return all(x <= y + 1e-9 for x, y in zip(scores, bound))
 
 
 def build_program_with_names(

@@ -153,15 +153,20 @@ class TaskGraph:
             if k < 0 or k in out_idx:
                 raise ValueError(f"output index {k} ({v!r}) is negative or repeated")
             out_idx.add(k)
+        outputs = {v for v, _ in self.outputs}
+        bound: list[set[Value]] = [set() for _ in range(n)]  # per group: its input values
+        for v, g, _ in self.inputs:
+            bound[g].add(v)
         for g, ts in enumerate(self.tasks):
-            _check_group_order(g, ts, prod, {v for v, _ in self.outputs})
+            _check_group_order(g, ts, prod, outputs, bound[g])
 
 
 def _check_group_order(
-    g: int, tasks: tuple[TaskNode, ...], prod: Mapping[Value, tuple[int, str]], outputs: set[Value]
+    g: int, tasks: tuple[TaskNode, ...], prod: Mapping[Value, tuple[int, str]],
+    outputs: set[Value], inputs: set[Value],
 ) -> None:
     """Checks one group's list: uses after same-group production, and `Note: donation`."""
-    done: set[Value] = {v for v, (h, t) in prod.items() if h == g and not t}  # inputs of g
+    done: set[Value] = set(inputs)  # the values bound on g at the start
     donated: dict[Value, str] = {}
     for t in tasks:
         for v in t.ins:

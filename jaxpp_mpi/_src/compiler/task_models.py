@@ -8,8 +8,9 @@ each candidate is played (`play`) with every task at its time under each model o
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Mapping
+import operator
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from jaxpp_mpi._src.compiler.task_graph import TaskGraph
 from jaxpp_mpi._src.ir import rendezvous, simulate
@@ -17,7 +18,7 @@ from jaxpp_mpi._src.ir.program import Program, Run
 from jaxpp_mpi._src.schedules.tasks import parse_label
 
 __all__ = ["ESTIMATES", "MODELS", "TaskModel", "dataflow_scores", "estimate", "label_kinds",
-           "label_times", "makespan", "measured_estimate", "play", "scores"]
+           "label_times", "label_times_models", "makespan", "measured_estimate", "play", "scores"]
 
 # Task-time models, (F, B, I, W) per kind letter (`kind_latency`). Each drives timed
 # walks (`ESTIMATES`: the first the one the walks used alone before); the lowering keeps
@@ -33,14 +34,23 @@ ESTIMATES: tuple[TaskModel, ...] = (MODELS[1], MODELS[0], MODELS[2], MODELS[3])
 _KIND_INDEX = {"F": 0, "B": 1, "I": 2, "W": 3}
 
 
-@functools.lru_cache(maxsize=4096)
+_PIPELINE_PART = re.compile(r"([FBIW])\d+s\d+")
+
+
 def label_kinds(label: str) -> tuple[int, ...]:
-    """The model indexes of a task label's parts; () for a segment (no pipeline label)."""
-    try:
-        parts = parse_label(label)
-    except ValueError:
-        return ()
-    return tuple(_KIND_INDEX[p.kind] for p in parts if p.kind in _KIND_INDEX)
+    """The model indexes of a task label's parts; () for a segment (no pipeline label).
+
+    A part spelt as the compiler spells pipeline tasks (`F3s1`) is read by one match;
+    any other part as `parse_label` reads it.
+    """
+    out = []
+    for text in label.split("+"):
+        m = _PIPELINE_PART.fullmatch(text)
+        if m is not None:
+            out.append(_KIND_INDEX[m[1]])
+        else:
+            out.extend(_KIND_INDEX[p.kind] for p in parse_label(text) if p.kind in _KIND_INDEX)
+    return tuple(out)
 
 
 def kind_latency(model: TaskModel, label: str) -> float:
@@ -60,16 +70,26 @@ def label_times(names: set[str], model: TaskModel) -> dict[str, float]:
     The compiler emits no I task where no input gradient is needed (the first stage),
     so that W computes what I would have (the gradients inside the stage).
     """
+    return label_times_models(names, (model,))[0]
+
+
+def label_times_models(names: Iterable[str], models: Sequence[TaskModel]
+                       ) -> list[dict[str, float]]:
+    """`label_times` under each of `models`, each label read once."""
+    names = list(names)
     parts = {label for name in names for label in name.split("+")}
-    out = {}
+    counts: dict[str, tuple[int, int, int, int]] = {}  # per name: its parts per kind
     for name in names:
-        total = 0.0
+        count = [0, 0, 0, 0]
         for label in name.split("+"):
-            total += kind_latency(model, label)
+            for k in label_kinds(label):
+                count[k] += 1
             if label.startswith("W") and "I" + label[1:] not in parts:
-                total += kind_latency(model, "I" + label[1:])
-        out[name] = total
-    return out
+                for k in label_kinds("I" + label[1:]):
+                    count[k] += 1
+        counts[name] = tuple(count)
+    return [{name: sum(c * t for c, t in zip(count, model) if c)
+             for name, count in counts.items()} for model in models]
 
 
 def play(program: Program, times: Callable[[str], tuple[float, ...]], k: int,
@@ -125,8 +145,8 @@ def _ratio(makespan: float, busiest: float) -> float:
 def scores(program: Program, sends: str = "blocking") -> tuple[float, ...]:
     """Per model of `MODELS`: the makespan over the busiest group's work (`play`),
     each task at its time under the model as the walks estimate it (`estimate`)."""
-    labels = {r.task for g in program.groups for r in g.instrs if isinstance(r, Run)}
-    per_model = [label_times(labels, m) for m in MODELS]
+    labels = {r.task for g in program.groups for r in g.instrs if type(r) is Run}
+    per_model = label_times_models(labels, MODELS)
     played = play(program, lambda label: tuple(t.get(label, 0.0) for t in per_model),
                   len(MODELS), sends)
     return tuple(_ratio(*x) for x in played)
@@ -140,32 +160,34 @@ def dataflow_scores(graph: TaskGraph) -> tuple[float, ...]:
     order does better, so a round order at this bound under every model needs no
     timed walk.
     """
-    estimates = [estimate(graph, model) for model in MODELS]  # as `scores` times
-    ready = {v: 0.0 for v, _, _ in graph.inputs}
-    finish = [dict(ready) for _ in MODELS]
-    free = [[0.0] * graph.num_groups for _ in MODELS]
-    busy = [[0.0] * graph.num_groups for _ in MODELS]
+    estimates = label_times_models({t.name for ts in graph.tasks for t in ts}, MODELS)
+    k = len(MODELS)
+    zero = (0.0,) * k
+    finish = {v: zero for v, _, _ in graph.inputs}  # value -> its time under each model
+    free = [zero] * graph.num_groups
+    busy = [zero] * graph.num_groups
     nxt = [0] * graph.num_groups
     left = sum(len(ts) for ts in graph.tasks)
     while left:
         progressed = False
         for g, ts in enumerate(graph.tasks):
-            while nxt[g] < len(ts) and all(v in finish[0] for v in ts[nxt[g]].ins):
+            clock, work = free[g], busy[g]
+            while nxt[g] < len(ts) and all(v in finish for v in ts[nxt[g]].ins):
                 task = ts[nxt[g]]
-                for m, times in enumerate(estimates):
-                    t = times[task.name]
-                    start = max([free[m][g], *(finish[m][v] for v in task.ins)])
-                    free[m][g] = start + t
-                    busy[m][g] += t
-                    for v in task.outs:
-                        finish[m][v] = start + t
+                times = [e[task.name] for e in estimates]
+                start = map(max, clock, *(finish[v] for v in task.ins)) if task.ins else clock
+                clock = tuple(map(operator.add, start, times))
+                work = tuple(map(operator.add, work, times))
+                for v in task.outs:
+                    finish[v] = clock
                 nxt[g] += 1
                 left -= 1
                 progressed = True
+            free[g], busy[g] = clock, work
         if not progressed:  # cannot happen for a graph the lowering walked
             return tuple(0.0 for _ in MODELS)
-    return tuple(_ratio(max(clock, default=0.0), max(work, default=0.0))
-                 for clock, work in zip(free, busy))
+    return tuple(_ratio(max((c[m] for c in free), default=0.0),
+                        max((w[m] for w in busy), default=0.0)) for m in range(k))
 
 
 def measured_estimate(graph: TaskGraph, task_ms: Mapping[str, float]) -> dict[str, float]:

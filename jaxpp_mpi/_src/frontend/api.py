@@ -30,6 +30,7 @@ import functools
 import hashlib
 import logging
 import numbers
+import os
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -46,6 +47,7 @@ from jaxpp_mpi._src.base.types import Comm, PyTree
 from jaxpp_mpi._src.compiler import replicas
 from jaxpp_mpi._src.compiler.build import StepPlan, build_step
 from jaxpp_mpi._src.compiler.fingerprint import step_texts
+from jaxpp_mpi._src.compiler.program_cache import ProgramCache
 from jaxpp_mpi._src.compiler.retarget import trace_mesh
 from jaxpp_mpi._src.driver.arguments import (
     Call,
@@ -114,7 +116,8 @@ class MpmdFunction:
         self._cache: dict[Any, MpmdCompiled] = {}
 
     def compile(self, *args: Any, **kwargs: Any) -> MpmdCompiled:
-        """Compiles for the signature of the call (cached); returns the MpmdCompiled.
+        """Compiles for the signature of the call (cached); returns the MpmdCompiled;
+        collective: every rank of the job compiles alike (agreement, shared compiles).
 
         The compiled step takes the dynamic arguments only, as `jax.jit`'s does: the
         static ones (`static_argnums` / `static_argnames`) are part of it.
@@ -291,7 +294,8 @@ class MpmdFunction:
                           num_replicas=mesh.num_replicas,
                           replica_bucket_bytes=config.options().replica_bucket_bytes,
                           replica_dims=replica_dims, arg_names=leaf_paths,
-                          task_times_ms=self._task_times_ms, sends=_runtime_sends(mesh))
+                          task_times_ms=self._task_times_ms, sends=_runtime_sends(mesh),
+                          program_cache=_program_cache())
         if out_specs is not None:
             out_paths = paths((jax.tree.unflatten(plan.out_tree, plan.output_avals),))
             for k, (spec, aval) in enumerate(zip(out_specs, plan.output_avals)):
@@ -299,9 +303,12 @@ class MpmdFunction:
                 check_layout(spec, aval.shape, group_shape, where, mpmd_axis)
         if mesh.is_local or mesh.my_mpmd_axis_index == 0:
             logger.info("%s: traced, split and scheduled into %d groups' programs "
-                        "(%d instructions) in %.1f s", name, plan.num_groups,
+                        "(%d instructions) in %.1f s%s", name, plan.num_groups,
                         sum(len(g.instrs) for g in plan.program.groups),
-                        time.perf_counter() - start)
+                        time.perf_counter() - start,
+                        "; program cache hit: lowered and verified before (by an "
+                        "earlier launch, or a rank of this host that got there first)"
+                        if plan.program_from_cache else "")
         return plan
 
     def _agree_on_arguments(self, call: Call | None, key: tuple | None,
@@ -361,7 +368,8 @@ class MpmdFunction:
         )
 
     def __call__(self, *args: Any, **kwargs: Any) -> PyTree:
-        """Compiles for the call (cached) and runs one step; see `compile`."""
+        """Compiles for the call (cached) and runs one step; see `compile`; collective:
+        every rank of the job calls it alike."""
         compiled, call = self._compile(args, kwargs)
         return compiled(*call.args, **call.kwargs)
 
@@ -447,6 +455,23 @@ def _runtime_sends(mesh: MpmdMesh) -> str:
     options = config.options()
     return runtime_sends(platform, options.posted_sends,
                          config.stages_messages(options, platform))
+
+
+def _program_cache() -> ProgramCache | None:
+    """Where lowered programs are kept across launches (JAXPP_MPI_PROGRAM_CACHE, `Note:
+    program cache` in compiler/program_cache.py): `auto` puts them in
+    `jaxpp_mpi_programs/` inside JAX's persistent compilation cache directory while
+    that cache is on (a local directory; JAX's own eviction only touches its
+    `*-cache` files), else keeps none."""
+    setting = config.options().program_cache
+    if setting == "off":
+        return None
+    if setting != "auto":
+        return ProgramCache(setting)
+    directory = jax.config.jax_compilation_cache_dir
+    if not (jax.config.jax_enable_compilation_cache and directory) or "://" in directory:
+        return None
+    return ProgramCache(os.path.join(directory, "jaxpp_mpi_programs"))
 
 
 def _task_times(task_times_ms: Any) -> dict[str, float] | None:

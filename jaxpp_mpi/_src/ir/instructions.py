@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from collections.abc import Iterable
 from typing import Union
@@ -34,8 +35,15 @@ def _set(obj: object, name: str, value: object) -> None:
 
 
 def _buf_ids(bufs: Iterable[int]) -> tuple[int, ...]:
-    out = tuple(int(b) for b in bufs)
-    if any(b < 0 for b in out):
+    out = tuple(map(int, bufs))
+    if out and min(out) < 0:
+        raise ValueError(f"buffer ids must be >= 0, got {out}")
+    return out
+
+
+def _buf_id(buf: int) -> int:
+    out = int(buf)
+    if out < 0:
         raise ValueError(f"buffer ids must be >= 0, got {out}")
     return out
 
@@ -141,6 +149,12 @@ class Aval:
     @classmethod
     def parse(cls, text: str) -> Aval:
         """Parses the text form written by `str(aval)`."""
+        if cls is Aval:
+            return _parse_aval(text)
+        return cls._parse(text)
+
+    @classmethod
+    def _parse(cls, text: str) -> Aval:
         m = _AVAL_RE.fullmatch(text)
         if m is None:
             raise ValueError(f"cannot parse aval {text!r}")
@@ -148,6 +162,12 @@ class Aval:
         shape = tuple(int(d) for d in dims.split(",")) if dims else ()
         entries = tuple(_parse_spec_entry(e) for e in _split_top(spec)) if spec else ()
         return cls(shape, dtype, entries)
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse_aval(text: str) -> Aval:
+    """`Aval.parse`, once per distinct text (avals are immutable; a program repeats few)."""
+    return Aval._parse(text)
 
 
 # ----------------------------------------------------------------------------- instructions
@@ -189,10 +209,13 @@ class Run:
             raise ValueError(f"bad task label {self.task!r}")
         _set(self, "ins", _buf_ids(self.ins))
         _set(self, "outs", _buf_ids(self.outs))
-        donate = tuple(sorted(set(_buf_ids(self.donate))))
-        if not set(donate) <= set(self.ins):
-            raise ValueError(f"donated buffers {donate} are not all inputs of {self.exe}")
-        _set(self, "donate", donate)
+        if self.donate:
+            donate = tuple(sorted(set(_buf_ids(self.donate))))
+            if not set(donate) <= set(self.ins):
+                raise ValueError(f"donated buffers {donate} are not all inputs of {self.exe}")
+            _set(self, "donate", donate)
+        else:
+            _set(self, "donate", ())
 
     def __str__(self) -> str:
         text = f"run {self.exe} {_bl(self.ins)} -> {_bl(self.outs)}"
@@ -212,7 +235,7 @@ class Send:
     tag: int
 
     def __post_init__(self):
-        _set(self, "buf", _buf_ids((self.buf,))[0])
+        _set(self, "buf", _buf_id(self.buf))
         _set(self, "dst", int(self.dst))
         _set(self, "tag", int(self.tag))
 
@@ -230,7 +253,7 @@ class Recv:
     aval: Aval
 
     def __post_init__(self):
-        _set(self, "buf", _buf_ids((self.buf,))[0])
+        _set(self, "buf", _buf_id(self.buf))
         _set(self, "src", int(self.src))
         _set(self, "tag", int(self.tag))
         if not isinstance(self.aval, Aval):
@@ -258,8 +281,8 @@ class SendRecv:
     aval: Aval
 
     def __post_init__(self):
-        _set(self, "send_buf", _buf_ids((self.send_buf,))[0])
-        _set(self, "recv_buf", _buf_ids((self.recv_buf,))[0])
+        _set(self, "send_buf", _buf_id(self.send_buf))
+        _set(self, "recv_buf", _buf_id(self.recv_buf))
         for name in ("dst", "send_tag", "src", "recv_tag"):
             _set(self, name, int(getattr(self, name)))
         if not isinstance(self.aval, Aval):
@@ -334,9 +357,10 @@ def _parse_bufs(text: str) -> tuple[int, ...]:
         return ()
     out = []
     for tok in text.split(", "):
-        if not re.fullmatch(r"%\d+", tok):
+        digits = tok[1:]
+        if tok[:1] != "%" or not (digits.isascii() and digits.isdigit()):
             raise ValueError(f"bad buffer {tok!r}")
-        out.append(int(tok[1:]))
+        out.append(int(digits))
     return tuple(out)
 
 
@@ -373,13 +397,16 @@ _INSTR_PARSERS = {
 }
 
 
+_NUMBERED = re.compile(r"^#\d+\s+")
+
+
 def parse_instr(text: str) -> Instr:
     """Parses one instruction from the text form written by `str(instr)`.
 
     Raises:
       ValueError: if `text` is not an instruction.
     """
-    text = re.sub(r"^#\d+\s+", "", text.strip())
+    text = _NUMBERED.sub("", text.strip())
     entry = _INSTR_PARSERS.get(text.split(" ", 1)[0])
     m = entry[0].fullmatch(text) if entry else None
     if m is None:

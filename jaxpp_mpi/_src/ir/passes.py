@@ -28,18 +28,20 @@ Loc = tuple[int, int]  # (mpmd_idx, instruction index)
 
 def send_half(instr: Instr) -> tuple[int, int, int] | None:
     """(buf, dst, tag) of the send half of `instr`, or None."""
-    if isinstance(instr, Send):
+    kind = type(instr)
+    if kind is Send:
         return instr.buf, instr.dst, instr.tag
-    if isinstance(instr, SendRecv):
+    if kind is SendRecv:
         return instr.send_buf, instr.dst, instr.send_tag
     return None
 
 
 def recv_half(instr: Instr) -> tuple[int, int, int, Aval] | None:
     """(buf, src, tag, aval) of the receive half of `instr`, or None."""
-    if isinstance(instr, Recv):
+    kind = type(instr)
+    if kind is Recv:
         return instr.buf, instr.src, instr.tag, instr.aval
-    if isinstance(instr, SendRecv):
+    if kind is SendRecv:
         return instr.recv_buf, instr.src, instr.recv_tag, instr.aval
     return None
 
@@ -70,11 +72,16 @@ def match_messages(program: Program) -> Matching:
     sends: dict[tuple[int, int, int], list[Loc]] = defaultdict(list)
     recvs: dict[tuple[int, int, int], list[Loc]] = defaultdict(list)
     for g in program.groups:
+        a = g.mpmd_idx
         for i, instr in enumerate(g.instrs):
-            if (s := send_half(instr)) is not None:
-                sends[(g.mpmd_idx, s[1], s[2])].append((g.mpmd_idx, i))
-            if (r := recv_half(instr)) is not None:
-                recvs[(r[1], g.mpmd_idx, r[2])].append((g.mpmd_idx, i))
+            kind = type(instr)
+            if kind is Send:
+                sends[(a, instr.dst, instr.tag)].append((a, i))
+            elif kind is Recv:
+                recvs[(instr.src, a, instr.tag)].append((a, i))
+            elif kind is SendRecv:
+                sends[(a, instr.dst, instr.send_tag)].append((a, i))
+                recvs[(instr.src, a, instr.recv_tag)].append((a, i))
     n = program.num_groups
     recv_of: tuple[dict[int, Loc], ...] = tuple({} for _ in range(n))
     send_of: tuple[dict[int, Loc], ...] = tuple({} for _ in range(n))
@@ -131,16 +138,16 @@ def assign_tags(program: Program) -> Program:
     for g in program.groups:
         a, instrs = g.mpmd_idx, []
         for instr in g.instrs:
-            if isinstance(instr, Send):
-                instr = dataclasses.replace(instr, tag=next_tag(n_sent, (a, instr.dst)))
-            elif isinstance(instr, Recv):
-                instr = dataclasses.replace(instr, tag=next_tag(n_recv, (instr.src, a)))
-            elif isinstance(instr, SendRecv):
-                instr = dataclasses.replace(
-                    instr,
-                    send_tag=next_tag(n_sent, (a, instr.dst)),
-                    recv_tag=next_tag(n_recv, (instr.src, a)),
-                )
+            kind = type(instr)
+            if kind is Send:
+                instr = Send(instr.buf, instr.dst, next_tag(n_sent, (a, instr.dst)))
+            elif kind is Recv:
+                instr = Recv(instr.buf, instr.src, next_tag(n_recv, (instr.src, a)),
+                             instr.aval)
+            elif kind is SendRecv:
+                instr = SendRecv(instr.send_buf, instr.dst, next_tag(n_sent, (a, instr.dst)),
+                                 instr.recv_buf, instr.src, next_tag(n_recv, (instr.src, a)),
+                                 instr.aval)
             instrs.append(instr)
         groups.append(dataclasses.replace(g, instrs=tuple(instrs)))
     for src, dst in sorted(n_sent.keys() | n_recv.keys()):

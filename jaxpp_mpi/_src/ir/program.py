@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import operator
 import re
 from collections.abc import Iterable, Mapping
 from functools import cached_property
@@ -82,6 +83,12 @@ class ProgramError(ValueError):
 
 # ----------------------------------------------------------------------------- programs
 
+_INSTR_TYPE_SET = frozenset(INSTR_TYPES)
+
+
+def _first(pair: tuple) -> object:
+    return pair[0]
+
 
 def _pairs(pairs: Mapping[int, int] | Iterable[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
     items = pairs.items() if isinstance(pairs, Mapping) else pairs
@@ -134,18 +141,25 @@ class GroupProgram:
         object.__setattr__(self, "inputs", _pairs(self.inputs))
         object.__setattr__(self, "outputs", _pairs(self.outputs))
         instrs = tuple(self.instrs)
-        for i, instr in enumerate(instrs):
-            if not isinstance(instr, INSTR_TYPES):
-                raise TypeError(f"group {self.mpmd_idx} #{i}: not an instruction: {instr!r}")
+        if not set(map(type, instrs)) <= _INSTR_TYPE_SET:
+            for i, instr in enumerate(instrs):
+                if not isinstance(instr, INSTR_TYPES):
+                    raise TypeError(f"group {self.mpmd_idx} #{i}: not an instruction: "
+                                    f"{instr!r}")
         object.__setattr__(self, "instrs", instrs)
-        items = self.avals.items() if isinstance(self.avals, Mapping) else self.avals
-        avals = tuple(sorted(((int(b), a) for b, a in items), key=lambda p: p[0]))
-        for k, (b, a) in enumerate(avals):
-            if not isinstance(a, Aval):
-                raise TypeError(f"aval of %{b} is not an Aval: {a!r}")
-            if k and avals[k - 1][0] == b:
+        items = tuple(self.avals.items() if isinstance(self.avals, Mapping) else self.avals)
+        bufs, avals = zip(*items) if items else ((), ())
+        if not (set(map(type, bufs)) <= {int} and all(map(operator.lt, bufs, bufs[1:]))):
+            pairs = sorted(zip(map(int, bufs), avals), key=_first)
+            bufs, avals = zip(*pairs) if pairs else ((), ())
+            if not all(map(operator.lt, bufs, bufs[1:])):
+                b = next(b for k, b in enumerate(bufs) if k and bufs[k - 1] == b)
                 raise ValueError(f"two avals for buffer %{b}")
-        object.__setattr__(self, "avals", avals)
+        if not set(map(type, avals)) <= {Aval}:
+            for b, a in zip(bufs, avals):
+                if not isinstance(a, Aval):
+                    raise TypeError(f"aval of %{b} is not an Aval: {a!r}")
+        object.__setattr__(self, "avals", tuple(zip(bufs, avals)))
 
     @cached_property
     def aval_map(self) -> dict[int, Aval]:

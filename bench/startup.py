@@ -1,0 +1,241 @@
+"""Startup at depth: plan time, cached-plan time, first step and host memory against program size.
+
+Run (the driver starts every measured process itself, fresh each time):
+
+    .venv/bin/python bench/startup.py --out bench/results/startup.json \
+        [--baseline DIR] [--first-step-max 15000]
+
+Each workload is examples/train.py's tiny transformer (hidden 64, one block per stage)
+in one process, local mode, `--groups S --microbatches M` under a schedule; the table
+of workloads (`WORKLOADS`) runs from ~200 to ~300k instructions. Per workload, in fresh
+processes taking turns (this tree, then `--baseline`'s tree when given):
+
+- `plan`: `MpmdFunction.step_plan` (trace, split, schedule, lower, verify) with the
+  program cache off, its lowering part (`lower`: the task graph to the verified
+  program) timed apart, and the process's peak resident memory;
+- `cached`: a second process planning the same step with a program cache that the
+  first filled (`Note: program cache`): a relaunch's plan time (this tree only);
+- `baseline`: `plan` of the other tree, for programs up to `--baseline-max`
+  instructions (the old lowering takes minutes beyond);
+- `first_step`: for programs of at most `--first-step-max` instructions, compile and
+  the first and second step's wall time (`compiled(*args)`, results ready), and the
+  second step's time per instruction: the executor's dispatch cost. Larger programs
+  are planned only: running them here takes minutes per step of XLA's CPU work.
+
+Times are the measured process's CPU seconds (`time.process_time`; planning is one
+Python thread), the primary figures because the machine is shared: its wall time grows
+with other sessions' load, its CPU time much less; wall times are kept beside them
+(`*_wall_s`). A step's CPU time covers the dispatching thread and XLA's (one compute
+thread per device here).
+
+The fit is least squares of the lowering time against instructions (`a + b n`), over
+this tree's runs; `per_instruction` lists lower / n per workload, so the cost at 3k and
+at 300k instructions can be compared. The machine is shared and noisy: repeats take
+turns and the JSON keeps each; the tables give medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/_common.py
+
+from _common import metadata, write_json  # noqa: E402
+
+# (schedule, groups, microbatches): from ~200 to ~300k instructions.
+WORKLOADS = (
+    ("1f1b", 4, 8),
+    ("1f1b", 4, 64),
+    ("1f1b", 4, 512),
+    ("1f1b", 16, 64),
+    ("1f1b", 16, 256),
+    ("1f1b", 32, 128),
+    ("interleaved", 16, 128),
+    ("interleaved", 16, 512),
+    ("1f1b", 32, 1024),
+)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--repeats", type=int, default=1, help="turns per workload")
+    p.add_argument("--no-cached", action="store_true", help="skip the cached-plan runs")
+    p.add_argument("--out", default="bench/results/startup.json")
+    p.add_argument("--baseline", metavar="DIR",
+                   help="another jaxpp_mpi source tree: its plan takes turns with this one's")
+    p.add_argument("--baseline-max", type=int, default=40000,
+                   help="plan the baseline only for programs up to this many instructions")
+    p.add_argument("--first-step-max", type=int, default=15000,
+                   help="run the first steps of programs up to this many instructions")
+    p.add_argument("--only", metavar="S:G:M", action="append",
+                   help="run only these workloads (e.g. 1f1b:16:256)")
+    p.add_argument("--child", help=argparse.SUPPRESS)  # one measured process (JSON)
+    return p.parse_args(argv)
+
+
+# -- one measured process ------------------------------------------------------------
+
+
+def child(spec: dict) -> dict:
+    """Plans (and maybe runs) one workload in this process; returns its figures."""
+    groups = spec["groups"]
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               f" --xla_force_host_platform_device_count={groups}").strip()
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    from functools import partial
+
+    import jax
+    import optax
+    import train
+
+    import jaxpp_mpi
+    from jaxpp_mpi._src.compiler import build
+    from jaxpp_mpi.schedules import schedule_by_name
+
+    lowering = [0.0, 0.0]  # wall, CPU seconds
+    name = "lower_cached" if hasattr(build, "lower_cached") else "build_program_with_names"
+    original = getattr(build, name)
+
+    def timed(*a, **k):
+        start, cpu = time.perf_counter(), time.process_time()
+        try:
+            return original(*a, **k)
+        finally:
+            lowering[0] += time.perf_counter() - start
+            lowering[1] += time.process_time() - cpu
+
+    setattr(build, name, timed)
+    sched = schedule_by_name(spec["schedule"], groups)
+    stages = sched.num_stages
+    cfg = train.ModelConfig(vocab=256, hidden=64, heads=4, seq=32, layers=stages)
+    optimizer = optax.adam(3e-3)
+    step_fn = train.make_train_step(partial(train.loss_fn, cfg=cfg, num_stages=stages),
+                                    sched, optimizer)
+    run = spec.get("run", False)
+    make = (lambda f: f()) if run else (lambda f: jax.eval_shape(f))
+    batch = make(lambda: train.synthetic_batch(cfg, spec["microbatches"], 4))
+    params = make(lambda: train.init_params(jax.random.PRNGKey(0), cfg))
+    opt_state = make(lambda: optimizer.init(params))
+    mesh = jaxpp_mpi.MpmdMesh(jax.make_mesh((groups, 1, 1), ("stage", "data", "model")),
+                              "stage")
+    step = jaxpp_mpi.mpmd_jit_with_loop(step_fn, mpmd_mesh=mesh, donate_argnums=(0, 1))
+    out: dict = {}
+    start, cpu = time.perf_counter(), time.process_time()
+    plan = step.step_plan(opt_state, params, batch)
+    out["plan_wall_s"] = time.perf_counter() - start
+    out["plan_s"] = time.process_time() - cpu
+    out["lower_wall_s"], out["lower_s"] = lowering
+    out["instructions"] = sum(len(g.instrs) for g in plan.program.groups)
+    out["from_cache"] = bool(getattr(plan, "program_from_cache", False))
+    out["program_sha256"] = plan.program.hash()
+    out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    if run:
+        start = time.perf_counter()
+        compiled = step.compile(opt_state, params, batch)
+        out["compile_s"] = time.perf_counter() - start
+        state = (opt_state, params)
+        for k in ("first_step", "second_step"):
+            start, cpu = time.perf_counter(), time.process_time()
+            *state, loss = compiled(*state, batch)
+            jax.block_until_ready(loss.first_mpmd_replica)
+            jax.block_until_ready(state)
+            out[k + "_wall_s"] = time.perf_counter() - start
+            out[k + "_s"] = time.process_time() - cpu
+        out["dispatch_us_per_instruction"] = 1e6 * out["second_step_s"] / out["instructions"]
+        out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return out
+
+
+def measure(spec: dict, tree: str | None, cache_dir: str | None) -> dict:
+    """Runs `child(spec)` in a fresh process with `tree` first on the path."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (tree or ROOT, env.get("PYTHONPATH")) if p)
+    env["JAXPP_MPI_PROGRAM_CACHE"] = cache_dir or "0"
+    env.pop("JAXPP_MPI_THREADS_PER_RANK", None)
+    with tempfile.NamedTemporaryFile("r", suffix=".json") as f:
+        cmd = [sys.executable, os.path.abspath(__file__), "--child",
+               json.dumps({**spec, "result": f.name})]
+        subprocess.run(cmd, env=env, check=True, cwd=tree or ROOT,
+                       stdout=subprocess.DEVNULL)
+        return json.load(open(f.name))
+
+
+# -- the driver ----------------------------------------------------------------------
+
+
+def fit(points: list[tuple[int, float]]) -> dict:
+    """Least squares `t = a + b n` over (n, t) points; b in microseconds per instruction."""
+    if len(points) < 2:
+        return {}
+    ns, ts = [float(n) for n, _ in points], [t for _, t in points]
+    mn, mt = statistics.fmean(ns), statistics.fmean(ts)
+    b = sum((n - mn) * (t - mt) for n, t in zip(ns, ts)) / sum((n - mn) ** 2 for n in ns)
+    return {"a_s": mt - b * mn, "b_us_per_instruction": 1e6 * b}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.child:
+        spec = json.loads(args.child)
+        result = child(spec)
+        with open(spec["result"], "w") as f:
+            json.dump(result, f)
+        return 0
+    workloads = [tuple(w.split(":")) for w in args.only] if args.only else WORKLOADS
+    rows = []
+    for schedule, groups, mbs in workloads:
+        spec = {"schedule": schedule, "groups": int(groups), "microbatches": int(mbs)}
+        row: dict = {**spec, "new": [], "cached": [], "baseline": []}
+        for _ in range(args.repeats):
+            row["new"].append(measure(spec, None, None))
+            if args.baseline and row["new"][0]["instructions"] <= args.baseline_max:
+                row["baseline"].append(measure(spec, os.path.abspath(args.baseline), None))
+            if args.no_cached:
+                continue
+            with tempfile.TemporaryDirectory() as cache:
+                measure(spec, None, cache)  # fills the cache
+                row["cached"].append(measure(spec, None, cache))
+        n = row["new"][0]["instructions"]
+        if n <= args.first_step_max:
+            row["first_step"] = measure({**spec, "run": True}, None, None)
+        med = {side: {k: statistics.median(r[k] for r in row[side])
+                      for k in ("plan_s", "lower_s", "peak_rss_mb")}
+               for side in ("new", "cached", "baseline") if row[side]}
+        row["median"] = med
+        same = {r["program_sha256"] for side in ("new", "cached", "baseline")
+                for r in row[side]}
+        row["programs_equal"] = len(same) == 1
+        rows.append(row)
+        write_json(args.out, {"meta": {"partial": True}, "rows": rows})
+        old = med.get("baseline", {}).get("plan_s")
+        cached = med.get("cached", {}).get("plan_s", float("nan"))
+        print(f"{schedule} {groups}x{mbs}: {n} instructions, plan {med['new']['plan_s']:.2f} s "
+              f"(lower {med['new']['lower_s']:.2f} s), cached {cached:.2f} s"
+              + (f", baseline {old:.2f} s" if old is not None else "")
+              + f", same program: {row['programs_equal']}", flush=True)
+    points = [(r["new"][0]["instructions"], r["median"]["new"]["lower_s"]) for r in rows]
+    result = {
+        "meta": {**metadata(), "date": time.strftime("%Y-%m-%d"), "baseline": args.baseline},
+        "rows": rows,
+        "fit_lower": fit(points),
+        "per_instruction_us": {f"{r['schedule']} {r['groups']}x{r['microbatches']}":
+                               1e6 * r["median"]["new"]["lower_s"] / r["new"][0]["instructions"]
+                               for r in rows},
+    }
+    write_json(args.out, result)
+    print(json.dumps({"fit_lower": result["fit_lower"],
+                      "per_instruction_us": result["per_instruction_us"]}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
