@@ -27,7 +27,7 @@ XDIST        = $$($(PY) -c 'import xdist' 2>/dev/null && printf -- '-n %s' $(TES
 MPI_PYTEST   = timeout -k 10 $(MPI_TIMEOUT) $(JPPRUN) -n $(1) python -m pytest tests/mpi \
                --with-mpi -p no:cacheprovider --timeout=300 --color=no -q $(PYTEST_ARGS)
 
-.PHONY: install test test-unit test-mpi test-hosts test-hosts-long test-slurm example bench lint clean
+.PHONY: install test test-unit test-mpi test-hosts test-hosts-long fuzz test-slurm example bench lint clean
 
 install:
 	VENV=$(VENV) bash tools/install.sh
@@ -84,6 +84,11 @@ test-hosts: $(PY)
 	timeout -k 10 900 $(PY) -m pytest tests/hosts -q --ignore=tests/hosts/long $(PYTEST_ARGS)
 test-hosts-long: $(PY)
 	timeout -k 10 3600 $(PY) -m pytest tests/hosts/long -q $(PYTEST_ARGS)
+
+# The program fuzzer's long run (tests/fuzz/programs.py): 300 generated training steps per
+# schedule, 2,100 in all, each against jax.jit in local mode (make test runs 2 per schedule).
+fuzz: $(PY)
+	JAXPP_MPI_FUZZ_EXAMPLES=300 $(PY) -m pytest tests/local/test_fuzz_programs.py -q $(XDIST) $(PYTEST_ARGS)
 
 # launch/slurm/train.sbatch for real on a single-node SLURM installed and started here
 # (root, Debian/apt; ~2-4 min); not part of `test`. See tests/slurm/run_single_node_slurm.sh.

@@ -20,8 +20,8 @@ from jax.extend import core as jex_core
 from jax.extend import linear_util as lu
 from jax.interpreters import partial_eval as pe
 
-__all__ = ["jax_backends_initialized", "mesh_spec", "persistent_cache_used", "register_dce_rule",
-           "split_inputs", "trace_closure_converted"]
+__all__ = ["eqn_source_line", "jax_backends_initialized", "mesh_spec", "persistent_cache_used",
+           "register_dce_rule", "split_inputs", "trace_closure_converted"]
 
 
 def trace_closure_converted(
@@ -143,3 +143,24 @@ def mesh_spec(sharding: jax.sharding.Sharding, mesh: jax.sharding.Mesh
         return sharding_impls.parse_flatten_op_sharding(hlo, mesh)[0]
     except (NotImplementedError, AssertionError, ValueError):
         return None
+
+
+def eqn_source_line(eqn: jex_core.JaxprEqn, skip: Sequence[str] = ()) -> str | None:
+    """`file:line (function)` of the code that made `eqn`: its innermost frame outside
+    JAX, Python's library and the directories in `skip` (e.g. jaxpp_mpi's own); None
+    when the eqn recorded no such frame.
+
+    Why `jax._src.source_info_util`: an eqn's `source_info` is a traceback JAX keeps for
+    its own error messages; `user_frames` is JAX's filter of its frames (JAX's and the
+    standard library's left out), with no public equivalent.
+    """
+    from jax._src import source_info_util
+
+    try:
+        frames = source_info_util.user_frames(eqn.source_info.traceback)
+        for frame in frames:
+            if not any(frame.file_name.startswith(d) for d in skip):
+                return f"{frame.file_name}:{frame.start_line} ({frame.function_name})"
+    except (AttributeError, TypeError, ValueError):
+        return None
+    return None

@@ -30,6 +30,7 @@ from jax.extend import core as jex_core
 
 from jaxpp_mpi._src.base.errors import CompileError
 from jaxpp_mpi._src.base.types import Spec
+from jaxpp_mpi._src.compiler.inline import inline_calls
 from jaxpp_mpi._src.ir.program import Aval
 
 __all__ = ["aval_of", "is_key", "key_boundary", "key_impl", "key_struct", "replayable"]
@@ -110,7 +111,8 @@ def replayable(jaxpr: jex_core.Jaxpr) -> jex_core.Jaxpr:
     lowerings check it (`random_fold_in(key, 1)` raises 'Mesh for all inputs should be
     equal'). So in a jaxpr with a top-level eqn that touches a key, every top-level eqn
     is re-made with no mesh in its context (its threefry setting kept) and its literals
-    as plain numpy values; a jaxpr without keys is left as it is.
+    as plain numpy values, calls (`jax.jit`, `closed_call`, remat) inlined first so
+    their eqns are re-made too; a jaxpr without keys is left as it is.
 
     Args:
       jaxpr: a task's or a segment's jaxpr.
@@ -120,6 +122,10 @@ def replayable(jaxpr: jex_core.Jaxpr) -> jex_core.Jaxpr:
     """
     if not any(_touches_key(e) for e in jaxpr.eqns):
         return jaxpr
+    # A call's results take their avals from its jaxpr, traced under the whole mesh (a
+    # value made by `jnp.where`'s jit would carry that mesh into a PRNG primitive):
+    # inlined, every eqn is bound again here.
+    jaxpr = inline_calls(jaxpr)
     eqns = []
     with jax.sharding.use_abstract_mesh(_NO_MESH):
         for e in jaxpr.eqns:

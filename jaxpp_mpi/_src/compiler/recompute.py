@@ -18,6 +18,15 @@ Note: recomputed residuals.
   GELU's tanh. The forward task still computes those values for itself; only what
   crosses to the backward task shrinks. The values are the same: every copied eqn is
   deterministic and sees the same operands.
+  Where a copy's operands come from: a value of the stage's own forward task is a
+  residual or copied in turn; a value of another task (another stage's forward task,
+  on this group or another: a skip connection, a weight cast made where the first
+  stage uses it) is read from that task like any residual, which exports it; a *free*
+  value (made from loop operands and the microbatch index only, e.g. the labels'
+  slice a recomputed loss term reads) is computed in the backward task too:
+  `split._build_tasks` copies each free eqn into every task that runs a copy reading
+  it, as into every task that reads it directly. So every value a task reads is
+  produced by some task (tests/local/test_recompute_placement.py checks it).
 """
 
 from __future__ import annotations

@@ -84,6 +84,7 @@ class SplitBody:
         ("inv", j), ("mb",) or ("lit", python value).
       value_task: the task that produces each named value.
       value_avals: the aval of each named value.
+      value_eqns: the body eqn that makes each named value (for error messages).
     """
 
     num_stages: int
@@ -91,6 +92,7 @@ class SplitBody:
     body_outputs: tuple[ValueRef, ...]
     value_task: dict[str, TaskKey]
     value_avals: dict[str, object]
+    value_eqns: dict[str, jex_core.JaxprEqn] = dataclasses.field(default_factory=dict)
 
     def task(self, key: TaskKey) -> TaskJaxpr | None:
         """The task with this key, or None when it is empty."""
@@ -290,7 +292,9 @@ def _build_tasks(jaxpr, eqns, where, num_stages: int,
                 names[v] = ("val", f"v{counter}")
                 counter += 1
 
-    # Free eqns go into every task that consumes them (reverse walk, transitive).
+    # Free eqns go into every task that consumes them (reverse walk, transitive),
+    # recomputed copies included (`Note: recomputed residuals`: a copy may read a free
+    # value, e.g. the labels' slice under a loss term the backward task runs again).
     free_in: list[set[TaskKey]] = [set() for _ in eqns]
     consumers: dict = {}
     for k, eqn in enumerate(eqns):
@@ -305,6 +309,8 @@ def _build_tasks(jaxpr, eqns, where, num_stages: int,
         for v in eqns[k].outvars:
             for c in consumers.get(v, ()):
                 free_in[k] |= {where[c]} if where[c] is not None else free_in[c]
+                if copies is not None:
+                    free_in[k] |= copies[c]
             if v in body_out:
                 free_in[k].add(last_fwd)
 
@@ -363,7 +369,9 @@ def _build_tasks(jaxpr, eqns, where, num_stages: int,
     )
     avals = {names[v][1]: v.aval for e in eqns for v in e.outvars
              if _is_var(v) and names[v][0] == "val"}
-    return SplitBody(num_stages, tuple(tasks), body_outputs, value_task, avals)
+    made_by = {names[v][1]: e for e in eqns for v in e.outvars
+               if _is_var(v) and names[v][0] == "val"}
+    return SplitBody(num_stages, tuple(tasks), body_outputs, value_task, avals, made_by)
 
 
 def _closed(invars: Sequence, outvars: Sequence, eqns: Sequence, name: str

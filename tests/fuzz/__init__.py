@@ -1,0 +1,1 @@
+"""Generated training steps for the program fuzzer (tests/local/test_fuzz_programs.py)."""
