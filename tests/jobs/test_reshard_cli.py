@@ -160,3 +160,24 @@ def test_bad_checkpoint_is_one_clean_line_on_every_rank(tmp_path):
                 f"[0, {2**62}] is too large") in text
     assert "Traceback" not in text and "MPI_ABORT" not in text
     assert not dst.exists()
+
+
+def test_a_managed_step_converts_like_any_checkpoint(tmp_path):
+    # CheckpointManager's steps are ordinary checkpoints (DIR/STEP): the CLI reads the
+    # newest one and places it by a plan, as it does a checkpoint saved on its own.
+    values = _values()
+    manager = ck.CheckpointManager(str(tmp_path / "run"), max_to_keep=1)
+    older = dict(values, count=np.int32(4))
+    manager.save(10, older)
+    manager.save(20, values)
+    manager.wait()
+    assert manager.all_steps() == [20]
+    src, dst = manager.step_path(manager.latest_step()), str(tmp_path / "staged")
+    plan = str(tmp_path / "plan.json")
+    sh2 = _shardings(2, values)
+    ck.save_plan(plan, sh2, like=values)
+    out = _reshard(2, "to-mpmd", "--src", src, "--dst", dst, "--plan", plan)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert _placements(dst) == _expected_placements(sh2)
+    assert ck.read_manifest(dst).step == 20
+    _assert_holds(dst, values)
