@@ -51,3 +51,21 @@ def on_thread_ranks(n: int, fn: Callable[[int, ThreadComm], Any]) -> list[tuple[
     for t in threads:
         t.join()
     return out
+
+
+class AbortRecordingComm:
+    """A stand-in communicator of `size` ranks with no collectives (whatever waits on it
+    waits until its deadline) whose `Abort` records that it was called."""
+
+    def __init__(self, rank: int, size: int):
+        self.rank, self.size = rank, size
+        self.aborted = threading.Event()
+
+    def Get_rank(self) -> int:  # noqa: N802 - mpi4py's names
+        return self.rank
+
+    def Get_size(self) -> int:  # noqa: N802
+        return self.size
+
+    def Abort(self, status: int) -> None:  # noqa: N802
+        self.aborted.set()

@@ -4,30 +4,12 @@ stand-in communicators, no MPI, no JAX."""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
+from thread_comm import AbortRecordingComm
 
 from jaxpp_mpi._src.base import config
 from jaxpp_mpi._src.base.config import Options
 from jaxpp_mpi._src.runtime import failure, hosts
-
-
-class Comm:
-    """A stand-in communicator of `size` ranks whose `Abort` records the status."""
-
-    def __init__(self, rank: int, size: int):
-        self.rank, self.size = rank, size
-        self.aborted = threading.Event()
-
-    def Get_rank(self) -> int:  # noqa: N802 - mpi4py's name
-        return self.rank
-
-    def Get_size(self) -> int:  # noqa: N802 - mpi4py's name
-        return self.size
-
-    def Abort(self, status: int) -> None:  # noqa: N802 - mpi4py's name
-        self.aborted.set()
 
 
 @pytest.fixture
@@ -35,7 +17,7 @@ def known(monkeypatch):
     """Four ranks noted on hosts n1, n1, n2, n3 (the registry restored afterwards);
     deadlines of 0.2 s, no grace."""
     monkeypatch.setattr(hosts, "_by_world", {})
-    hosts.note_hosts(Comm(0, 4), ["n1", "n1", "n2", "n3"])
+    hosts.note_hosts(AbortRecordingComm(0, 4), ["n1", "n1", "n2", "n3"])
     monkeypatch.setattr(config, "options", lambda: Options(deadline_s=0.2,
                                                            watchdog_grace_s=0.0))
 
@@ -48,7 +30,7 @@ def test_peers_are_named_with_their_hosts():
     assert hosts.describe_peers([5], where) == "rank 5"
 
 
-def _report(comm: Comm, waiting_on) -> bool:
+def _report(comm: AbortRecordingComm, waiting_on) -> bool:
     with failure.deadline("step call agreement", comm, waiting_on=waiting_on):
         assert comm.aborted.wait(5.0)
     return comm.aborted.is_set()
@@ -60,7 +42,7 @@ def _report(comm: Comm, waiting_on) -> bool:
 ])
 def test_a_deadline_names_the_peers_it_waits_for(known, capfd, rank, waiting, named):
     progress = [waiting]
-    assert _report(Comm(rank, 4), lambda: progress[0])
+    assert _report(AbortRecordingComm(rank, 4), lambda: progress[0])
     err = capfd.readouterr().err
     assert f"[rank {rank}] jaxpp_mpi deadline: waiting in step call agreement" in err, err
     assert named in err, err
@@ -69,6 +51,6 @@ def test_a_deadline_names_the_peers_it_waits_for(known, capfd, rank, waiting, na
 
 @pytest.mark.parametrize("waiting_on", [None, lambda: (), lambda: 1 / 0])
 def test_without_peers_the_report_says_a_peer_has_not_arrived(known, capfd, waiting_on):
-    assert _report(Comm(1, 4), waiting_on)
+    assert _report(AbortRecordingComm(1, 4), waiting_on)
     err = capfd.readouterr().err
     assert "; a peer rank has not reached it (stalled, or lost; where the ranks run" in err, err

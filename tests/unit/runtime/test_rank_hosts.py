@@ -4,31 +4,17 @@ runtime/failure.py): stand-in communicators, no MPI, no JAX."""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
+from thread_comm import AbortRecordingComm
 
 from jaxpp_mpi._src.base import config
 from jaxpp_mpi._src.base.config import Options
 from jaxpp_mpi._src.runtime import agree, failure, hosts
 
 
-class StallingComm:
-    """A stand-in communicator of `size` ranks whose collectives never complete on time
-    and whose `Abort` records the status."""
-
-    def __init__(self, rank: int, size: int):
-        self.rank, self.size = rank, size
-        self.aborted = threading.Event()
-
-    def Get_rank(self) -> int:  # noqa: N802 - mpi4py's name
-        return self.rank
-
-    def Get_size(self) -> int:  # noqa: N802 - mpi4py's name
-        return self.size
-
-    def Abort(self, status: int) -> None:  # noqa: N802 - mpi4py's name
-        self.aborted.set()
+class StallingComm(AbortRecordingComm):
+    """A stand-in communicator whose allgather completes only after the deadline (it
+    waits for the abort, or 2 s)."""
 
     def allgather(self, obj):
         self.aborted.wait(2.0)
