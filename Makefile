@@ -72,7 +72,7 @@ test-mpi: $(PY)
 	XLA_FLAGS=--xla_force_host_platform_device_count=4 $(call MPI_PYTEST,3) \
 	  -k "jaxpp_programs and sharded_groups"
 	XLA_FLAGS=--xla_force_host_platform_device_count=2 $(call MPI_PYTEST,2) \
-	  -k "shard or mismatch or (parity and not transformer and (1f1b or interleaved))"
+	  -k "(shard or mismatch or (parity and not transformer and (1f1b or interleaved))) and not replicas"
 	XLA_FLAGS=--xla_force_host_platform_device_count=2 $(call MPI_PYTEST,4) \
 	  -k "test_replicas_mpi and (sharded or share or layout)"
 
