@@ -107,16 +107,29 @@ def _monitor_loop() -> None:
         with _monitor_lock:
             watchdogs = list(_watched)
             waits = list(_waits)
-        for wd in watchdogs:
-            wd.check()
-        for wait in waits:
-            wait.check()
+        for watched in (*watchdogs, *waits):
+            try:
+                watched.check()
+            except Exception as e:  # noqa: BLE001 - one bad check must not end the watch
+                print(f"jaxpp_mpi watchdog: a check failed ({type(e).__name__}: {e}); "
+                      "the others go on", file=sys.stderr, flush=True)
+
+
+def _abort_after(grace_s: float, abort: Callable[[int], None]) -> None:
+    """Aborts with status 1 after `grace_s`, on a thread of its own: the monitor goes on
+    watching the other waits meanwhile, and an abort that blocks cannot stop it."""
+    def run() -> None:
+        time.sleep(grace_s)
+        abort(1)
+
+    threading.Thread(target=run, daemon=True, name="jaxpp_mpi-abort").start()
 
 
 def _ensure_monitor() -> None:
-    """Starts the daemon thread (once); call with `_monitor_lock` held."""
+    """Starts the daemon thread (again, should it have ended); call with
+    `_monitor_lock` held."""
     global _monitor
-    if _monitor is None:
+    if _monitor is None or not _monitor.is_alive():
         _monitor = threading.Thread(target=_monitor_loop, daemon=True,
                                     name="jaxpp_mpi-watchdog")
         _monitor.start()
@@ -208,8 +221,7 @@ class _Wait:
             f"deadline of {self.limit:.1f} s ({self.how}); {self._who()} (stalled, or "
             f"lost{where}).\naborting the MPI job in {self.grace:g} s")))
         sys.stderr.flush()
-        time.sleep(self.grace)
-        self.abort(1)
+        _abort_after(self.grace, self.abort)
 
 
 def _world() -> Any:
@@ -371,8 +383,7 @@ class Watchdog:
             report = self._report(elapsed, deadline)
         sys.stderr.write(_prefixed(self.rank, report))
         sys.stderr.flush()
-        time.sleep(self.options.watchdog_grace_s)
-        self.abort(1)
+        _abort_after(self.options.watchdog_grace_s, self.abort)
 
     def _blocked_at(self) -> int | None:
         if self.pc < self.num_instrs:
