@@ -107,7 +107,8 @@ class LoopTasks:
     Attributes:
       tasks: per group, its loop TaskNodes in schedule order.
       exes: per group, executable name -> Exe.
-      avals: the aval of every value the tasks define.
+      avals: the aval of every value the tasks pass (values read only inside the task
+        that makes them have none).
       mb_values: (microbatch, group) -> the value name of that microbatch's index on
         that group, for each one a task reads (the caller binds them as step inputs).
     """
@@ -365,8 +366,9 @@ def build_loop_tasks(
     read_by_tasks = {ref[1] for t in by_key.values() for ref in t.ins if ref[0] == "val"}
     result = LoopTasks([[] for _ in range(num_groups)], [{} for _ in range(num_groups)], {}, {})
     for name, aval in split.value_avals.items():
-        value_aval = aval_of(aval)  # the same for every microbatch
-        result.avals.update((f"{name}@{m}", value_aval) for m in range(n))
+        if name in read_by_tasks:  # the others never leave their task's executable
+            value_aval = aval_of(aval)  # the same for every microbatch
+            result.avals.update((f"{name}@{m}", value_aval) for m in range(n))
     acc_avals = [aval_of(op.result_aval(length, a)) for op, a in zip(ops, out_avals)]
 
     def mb_value(m: int, g: int) -> Value:

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 
 from jaxpp_mpi._src.compiler import task_models
 from jaxpp_mpi._src.compiler.task_graph import TaskGraph, Value
-from jaxpp_mpi._src.compiler.walks import BufferNames, RoundWalk, TimedWalk
+from jaxpp_mpi._src.compiler.walks import BufferNames, RoundWalk, TimedWalk, WalkIndex
 from jaxpp_mpi._src.ir import passes as program_passes
 from jaxpp_mpi._src.ir import simulate
 from jaxpp_mpi._src.ir.program import Free, GroupProgram, Instr, Program, Run
@@ -20,29 +20,40 @@ __all__ = ["build_program", "build_program_with_names", "live_buffer_profile"]
 
 def _finish(lowering: RoundWalk) -> tuple[Program, BufferNames]:
     """Runs `lowering`; its program with exchanges paired and tags assigned (no Frees)."""
+    program, names = _walked(lowering)
+    return program_passes.assign_tags(program), names
+
+
+def _walked(lowering: RoundWalk) -> tuple[Program, BufferNames]:
+    """Runs `lowering`; its program with exchanges paired, tags not yet assigned.
+
+    Note: candidates untagged
+      The candidates are scored without tags (all -1): untagged messages match in
+      each channel's order (`passes.match_messages`: the k-th send on a channel meets
+      its k-th receive), the very pairing `assign_tags` writes down, so every play and
+      score is the tagged program's. Only the kept program gets its tags.
+    """
     lowering.run()
-    return _passes(lowering)
-
-
-def _passes(lowering: RoundWalk) -> tuple[Program, BufferNames]:
-    """The program of a finished `lowering`, exchanges paired and tags assigned."""
     program, names = lowering.program()
-    return program_passes.assign_tags(program_passes.pair_exchanges(program)), names
+    return program_passes.pair_exchanges(program), names
 
 
-def _timed_candidates(graph: TaskGraph, estimates: Iterable[Mapping[str, float]]
-                      ) -> Iterator[tuple[Program, BufferNames]]:
+def _timed_candidates(graph: TaskGraph, estimates: Iterable[Mapping[str, float]],
+                      index: WalkIndex | None = None) -> Iterator[tuple[Program, BufferNames]]:
     """The eager and the lazy timed walk's program under each estimate (per task name,
-    its time), each distinct order once (`Note: timed order`)."""
+    its time), each distinct order once (`Note: timed order`), exchanges paired and
+    tags not yet assigned (`Note: candidates untagged`)."""
+    index = index if index is not None else WalkIndex(graph)
     seen: set[tuple[tuple[Instr, ...], ...]] = set()
     for estimate in estimates:
         for eager in (True, False):
-            walk = TimedWalk(graph, estimate, eager)
+            walk = TimedWalk(graph, estimate, eager, index)
             walk.run()
             key = tuple(tuple(gs.instrs) for gs in walk.groups)
             if key not in seen:
                 seen.add(key)
-                yield _passes(walk)
+                program, names = walk.program()
+                yield program_passes.pair_exchanges(program), names
 
 
 def _lower_measured(graph: TaskGraph, task_ms: Mapping[str, float],
@@ -56,14 +67,15 @@ def _lower_measured(graph: TaskGraph, task_ms: Mapping[str, float],
     (`Note: timed order`).
     """
     measured = task_models.measured_estimate(graph, task_ms)
-    rounds = _finish(RoundWalk(graph))
+    index = WalkIndex(graph)
+    rounds = _walked(RoundWalk(graph, index))
     best, best_time = rounds, task_models.makespan(rounds[0], measured, sends)
     estimates = (measured, *(task_models.estimate(graph, m) for m in task_models.ESTIMATES))
-    for candidate in _timed_candidates(graph, estimates):
+    for candidate in _timed_candidates(graph, estimates, index):
         t = task_models.makespan(candidate[0], measured, sends)
         if t < best_time - 1e-9:
             best, best_time = candidate, t
-    return best
+    return program_passes.assign_tags(best[0]), best[1]
 
 
 def _lower_best(graph: TaskGraph, sends: str = "blocking") -> tuple[Program, BufferNames]:
@@ -81,21 +93,22 @@ def _lower_best(graph: TaskGraph, sends: str = "blocking") -> tuple[Program, Buf
     from below, so no later candidate could win (they would only tie, and ties keep the
     earlier one). The result is the one all the walks would give.
     """
-    rounds = _finish(RoundWalk(graph))
+    index = WalkIndex(graph)
+    rounds = _walked(RoundWalk(graph, index))
     base = task_models.scores(rounds[0], sends)
     bound = task_models.dataflow_scores(graph)
-    if _at_bound(base, bound):
-        return rounds  # already the graph's own timeline under every model
+    if _at_bound(base, bound):  # already the graph's own timeline under every model
+        return program_passes.assign_tags(rounds[0]), rounds[1]
     best, best_mean = rounds, sum(base) / len(base)
     estimates = (task_models.estimate(graph, m) for m in task_models.ESTIMATES)
-    for candidate in _timed_candidates(graph, estimates):
+    for candidate in _timed_candidates(graph, estimates, index):
         scores = task_models.scores(candidate[0], sends)
         mean = sum(scores) / len(scores)
         if all(x <= y + 1e-9 for x, y in zip(scores, base)) and mean < best_mean - 1e-9:
             best, best_mean = candidate, mean
             if _at_bound(scores, bound):
                 break  # no later candidate's mean can be lower by more than the tolerance
-    return best
+    return program_passes.assign_tags(best[0]), best[1]
 
 
 def _at_bound(scores: tuple[float, ...], bound: tuple[float, ...]) -> bool:
@@ -111,10 +124,10 @@ def build_program_with_names(
 
     The lowering pass: validates the graph, walks it in rounds (see `Note: global
     order`) and in estimated time (`Note: timed order`), each walk's program with its
-    exchanges fused into SendRecv (`program_passes.pair_exchanges`) and its tags
-    assigned (`program_passes.assign_tags`), keeps the best of them (`_lower_best`),
-    adds Frees (`program_passes.add_frees`) and verifies the result
-    (`simulate.verify`). This is the one verification of a compiled program: the
+    exchanges fused into SendRecv (`program_passes.pair_exchanges`), keeps the best of
+    them (`_lower_best`), assigns its tags (`program_passes.assign_tags`; `Note:
+    candidates untagged`), adds Frees (`program_passes.add_frees`) and verifies the
+    result (`simulate.verify`). This is the one verification of a compiled program: the
     executors take it as verified.
 
     In the round walk, each round first runs, on every group in turn, its next task if

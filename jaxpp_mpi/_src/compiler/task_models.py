@@ -8,6 +8,7 @@ each candidate is played (`play`) with every task at its time under each model o
 
 from __future__ import annotations
 
+import functools
 import operator
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -145,11 +146,17 @@ def _ratio(makespan: float, busiest: float) -> float:
 def scores(program: Program, sends: str = "blocking") -> tuple[float, ...]:
     """Per model of `MODELS`: the makespan over the busiest group's work (`play`),
     each task at its time under the model as the walks estimate it (`estimate`)."""
-    labels = {r.task for g in program.groups for r in g.instrs if type(r) is Run}
-    per_model = label_times_models(labels, MODELS)
-    played = play(program, lambda label: tuple(t.get(label, 0.0) for t in per_model),
-                  len(MODELS), sends)
+    labels = frozenset(r.task for g in program.groups for r in g.instrs if type(r) is Run)
+    played = play(program, _model_times(labels).__getitem__, len(MODELS), sends)
     return tuple(_ratio(*x) for x in played)
+
+
+@functools.lru_cache(maxsize=2)
+def _model_times(labels: frozenset[str]) -> dict[str, tuple[float, ...]]:
+    """Per label, its time under each model of `MODELS` (`label_times_models`); kept
+    for the next call, as a graph's candidates all run the same tasks."""
+    per_model = label_times_models(labels, MODELS)
+    return {label: tuple(t.get(label, 0.0) for t in per_model) for label in labels}
 
 
 def dataflow_scores(graph: TaskGraph) -> tuple[float, ...]:

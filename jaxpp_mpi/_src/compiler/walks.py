@@ -18,7 +18,7 @@ from jaxpp_mpi._src.ir.program import (
     Send,
 )
 
-__all__ = ["BufferNames", "RoundWalk", "TimedWalk"]
+__all__ = ["BufferNames", "RoundWalk", "TimedWalk", "WalkIndex"]
 
 BufferNames = tuple[dict[int, Value], ...]  # per group: buffer id -> value name
 
@@ -58,6 +58,86 @@ class _Group:
         t = self.next_task
         return () if t is None else tuple(dict.fromkeys(v for v in t.ins if v not in self.bufs))
 
+    def ready(self) -> bool:
+        """Whether there is a next task and all its inputs are present on this group."""
+        return self.pos < len(self.tasks) and all(map(self.bufs.__contains__,
+                                                      self.tasks[self.pos].ins))
+
+
+class WalkIndex:
+    """What every walk of one task graph reads and none changes, computed once.
+
+    The lowering walks one graph once in rounds and twice per estimate in time
+    (lower.py); these facts depend on the graph alone (`tails`: on the graph and one
+    estimate), so the walks share them instead of each deriving them again.
+
+    Attributes:
+      graph: the task graph.
+      prod: value -> the group producing it (or binding it, for a step input).
+      remote: value -> the groups other than its producer that read it.
+      first_use: per group, value -> index of the first of its tasks reading it.
+    """
+
+    def __init__(self, graph: TaskGraph):
+        self.graph = graph
+        self.prod = {v: g for v, (g, _) in graph.producers().items()}
+        self.remote: dict[Value, set[int]] = {}
+        self.first_use: list[dict[Value, int]] = []
+        for g, ts in enumerate(graph.tasks):
+            first: dict[Value, int] = {}
+            for i, t in enumerate(ts):
+                for v in t.ins:
+                    first.setdefault(v, i)
+            for v in first:
+                if self.prod[v] != g:
+                    self.remote.setdefault(v, set()).add(g)
+            self.first_use.append(first)
+        self._post_order: list[str] | None = None
+        self._succ: dict[str, set[str]] = {}
+        self._tails: list[tuple[Mapping[str, float], dict[str, float]]] = []
+
+    def tails(self, latency: Mapping[str, float]) -> dict[str, float]:
+        """Per task: the longest path from its start to the end of the step, each task
+        taking its time in `latency` (along group order and data)."""
+        for seen, tail in self._tails:
+            if seen is latency:
+                return tail
+        if self._post_order is None:
+            self._order_tasks()
+        succ, tail = self._succ, {}
+        for x in self._post_order:  # successors first: a max is exact in any order
+            tail[x] = latency[x] + max((tail[y] for y in succ[x]), default=0.0)
+        self._tails.append((latency, tail))
+        return tail
+
+    def _order_tasks(self) -> None:
+        """The task successors, and an order placing every task after its successors."""
+        graph = self.graph
+        producer = {v: t.name for ts in graph.tasks for t in ts for v in t.outs}
+        succ: dict[str, set[str]] = {t.name: set() for ts in graph.tasks for t in ts}
+        for ts in graph.tasks:
+            for a, b in zip(ts, ts[1:]):
+                succ[a.name].add(b.name)
+            for t in ts:
+                for v in t.ins:
+                    if v in producer and producer[v] != t.name:
+                        succ[producer[v]].add(t.name)
+        order: list[str] = []
+        done: set[str] = set()
+        for root in succ:  # iterative post-order: the task graph is acyclic once it lowers
+            stack = [(root, False)]
+            while stack:
+                x, expanded = stack.pop()
+                if x in done:
+                    continue
+                if expanded:
+                    done.add(x)
+                    order.append(x)
+                else:
+                    stack.append((x, True))
+                    stack.extend((y, False) for y in succ[x] if y not in done)
+        self._succ, self._post_order = succ, order
+
 
 class RoundWalk:
     """Walks the graph in rounds and appends each group's instructions.
@@ -82,18 +162,14 @@ class RoundWalk:
       is `simulate.verify`'s job, done once at the end of `build_program_with_names`.
     """
 
-    def __init__(self, graph: TaskGraph):
+    def __init__(self, graph: TaskGraph, index: WalkIndex | None = None):
         self.graph = graph
-        self.prod = {v: g for v, (g, _) in graph.producers().items()}
+        self.index = index if index is not None else WalkIndex(graph)
+        self.prod = self.index.prod
         self.groups = [_Group(ts) for ts in graph.tasks]
         self.available: set[Value] = set()  # values produced somewhere so far
         # value -> consumer groups other than its producer, not yet delivered to
-        self.undelivered: dict[Value, set[int]] = {}
-        for g, ts in enumerate(graph.tasks):
-            for t in ts:
-                for v in t.ins:
-                    if self.prod[v] != g:
-                        self.undelivered.setdefault(v, set()).add(g)
+        self.undelivered = {v: set(gs) for v, gs in self.index.remote.items()}
         self.input_bufs: dict[Value, int] = {}
         for v, g, _ in sorted(graph.inputs, key=lambda x: (x[1], x[2], x[0])):
             self.input_bufs[v] = self.groups[g].define(v)
@@ -114,20 +190,25 @@ class RoundWalk:
     def _run_task(self, g: int) -> bool:
         """Runs group g's next task if all its inputs are present; returns whether it ran."""
         gs = self.groups[g]
-        t = gs.next_task
-        if t is None or gs.missing():
+        if not gs.ready():
             return False
-        # A donated buffer dies in the task: send it to its other consumers first.
-        early = [
-            _Message(v, g, dst)
-            for v in t.donate
-            if self.prod[v] == g
-            for dst in sorted(self.undelivered.get(v, ()))
-        ]
-        self._deliver(early)
-        ins = tuple(gs.bufs[v] for v in t.ins)
-        donate = tuple(gs.bufs.pop(v) for v in t.donate)
-        outs = tuple(gs.define(v) for v in t.outs)
+        t = gs.tasks[gs.pos]
+        if t.donate:  # a donated buffer dies in the task: send it to its other consumers first
+            early = [
+                _Message(v, g, dst)
+                for v in t.donate
+                if self.prod[v] == g
+                for dst in sorted(self.undelivered.get(v, ()))
+            ]
+            if early:
+                self._deliver(early)
+        bufs, names = gs.bufs, gs.names
+        ins = tuple(map(bufs.__getitem__, t.ins))
+        donate = tuple(map(bufs.pop, t.donate))
+        first = len(names)  # `_Group.define` for each output in turn
+        outs = tuple(range(first, first + len(t.outs)))
+        bufs.update(zip(t.outs, outs))
+        names.update(zip(outs, t.outs))
         gs.instrs.append(Run(t.exe, ins, outs, t.name, donate))
         self.available.update(t.outs)
         gs.pos += 1
@@ -203,7 +284,7 @@ class RoundWalk:
         for g, gs in enumerate(self.groups):
             inputs = [(self.input_bufs[v], k) for v, h, k in self.graph.inputs if h == g]
             outputs = [(gs.bufs[v], k) for v, k in self.graph.outputs if self.prod[v] == g]
-            avals = {b: self.graph.avals[v] for b, v in gs.names.items()}
+            avals = dict(zip(gs.names, map(self.graph.avals.__getitem__, gs.names.values())))
             groups.append(GroupProgram(g, inputs, tuple(gs.instrs), outputs, avals))
         return Program(tuple(groups)), tuple(dict(gs.names) for gs in self.groups)
 
@@ -252,53 +333,26 @@ class TimedWalk(RoundWalk):
       argument (rendezvous play, no deadlock) holds unchanged.
     """
 
-    def __init__(self, graph: TaskGraph, latency: Mapping[str, float], eager: bool):
-        super().__init__(graph)
+    def __init__(self, graph: TaskGraph, latency: Mapping[str, float], eager: bool,
+                 index: WalkIndex | None = None):
+        super().__init__(graph, index)
         self.latency = latency
         self.eager = eager
         n = len(self.groups)
         self.time = [0.0] * n
-        self.first_use: list[dict[Value, int]] = []  # per group: value -> first task reading it
-        for ts in graph.tasks:
-            first: dict[Value, int] = {}
-            for i, t in enumerate(ts):
-                for v in t.ins:
-                    first.setdefault(v, i)
-            self.first_use.append(first)
+        self.first_use = self.index.first_use  # per group: value -> first task reading it
         self.pending: list[dict[tuple[Value, int], _Message]] = [{} for _ in range(n)]
         for v in self.input_bufs:
             self._owe(v)
-        self.tail = self._tails(graph)
-
-    def _tails(self, graph: TaskGraph) -> dict[str, float]:
-        """Per task: the estimated longest path from its start to the end of the step."""
-        producer = {v: t.name for ts in graph.tasks for t in ts for v in t.outs}
-        succ: dict[str, set[str]] = {t.name: set() for ts in graph.tasks for t in ts}
-        for ts in graph.tasks:
-            for a, b in zip(ts, ts[1:]):
-                succ[a.name].add(b.name)
-            for t in ts:
-                for v in t.ins:
-                    if v in producer and producer[v] != t.name:
-                        succ[producer[v]].add(t.name)
-        tail: dict[str, float] = {}
-        for root in succ:  # iterative post-order: the task graph is acyclic once it lowers
-            stack = [(root, False)]
-            while stack:
-                x, expanded = stack.pop()
-                if x in tail:
-                    continue
-                if expanded:
-                    tail[x] = self.latency[x] + max((tail[y] for y in succ[x]), default=0.0)
-                else:
-                    stack.append((x, True))
-                    stack.extend((y, False) for y in succ[x] if y not in tail)
-        return tail
+        self.tail = self.index.tails(latency)
 
     def _owe(self, v: Value) -> None:
         """Records the messages of the new value `v` with the groups waiting for it."""
+        waiting = self.undelivered.get(v)
+        if not waiting:
+            return
         src = self.prod[v]
-        for dst in sorted(self.undelivered.get(v, ())):
+        for dst in sorted(waiting):
             m = _Message(v, src, dst)
             self.pending[src][(v, dst)] = self.pending[dst][(v, dst)] = m
 
@@ -328,36 +382,39 @@ class TimedWalk(RoundWalk):
         Raises:
           ValueError: if no group can act (the task order has a cycle across groups).
         """
-        n, time = len(self.groups), self.time
-        live = list(range(n))
+        groups, pending, time = self.groups, self.pending, self.time
+        live = list(range(len(groups)))
         while True:
             # A group with no task left and nothing owed to or by it never acts again.
-            live = [g for g in live if self.groups[g].next_task is not None or self.pending[g]]
+            live = [g for g in live if groups[g].pos < len(groups[g].tasks) or pending[g]]
             if not live:
                 return
             # The earliest group almost always acts; `_act` changes nothing when it does
             # not, so trying it first and then every group in order is the same walk.
-            first = min(live, key=lambda g: (time[g], g))
+            # `live` ascends, and min and sorted keep the first of equals: ties by index.
+            first = min(live, key=time.__getitem__)
             if self._act(first, live):
                 continue
-            if not any(self._act(g, live) for g in sorted(live, key=lambda g: (time[g], g))):
+            if not any(self._act(g, live) for g in sorted(live, key=time.__getitem__)):
                 raise ValueError(self._stuck_message())
 
     def _act(self, g: int, live: list[int]) -> bool:
         """One step of group g at its time; returns whether anything changed."""
-        t, gs = self.time[g], self.groups[g]
-        pending = sorted(self.pending[g].values(), key=lambda m: (m.value, m.dst))
+        time = self.time
+        t, gs = time[g], self.groups[g]
+        pending = (sorted(self.pending[g].values(), key=lambda m: (m.value, m.dst))
+                   if self.pending[g] else [])
         here = [
             m
             for m in pending
-            if self.time[m.src if m.dst == g else m.dst] <= t and self._takes_now(m)
+            if time[m.src if m.dst == g else m.dst] <= t and self._takes_now(m)
         ]
         if here:
             self._deliver_timed(here)
             return True
-        task = gs.next_task
-        if task is not None and not gs.missing():
-            owed = [m for m in pending if m.src == g and self.time[m.dst] > t]
+        if gs.ready():
+            task = gs.tasks[gs.pos]
+            owed = [m for m in pending if m.src == g and time[m.dst] > t]
             forced = [m.dst for m in owed if m.value in task.donate]
             wait = [self.time[h] for h in forced] or [
                 self.time[m.dst] for m in owed if self._worth_waiting(m, task, t)

@@ -352,16 +352,19 @@ Instr = Union[Run, Send, Recv, SendRecv, Free, AllReduce]  # noqa: UP007 (a runt
 INSTR_TYPES = (Run, Send, Recv, SendRecv, Free, AllReduce)
 
 
+_BUF_LIST = re.compile(r"%[0-9]+(?:, %[0-9]+)*")
+
+
 def _parse_bufs(text: str) -> tuple[int, ...]:
     if not text:
         return ()
-    out = []
+    if _BUF_LIST.fullmatch(text):
+        return tuple(map(int, text[1:].split(", %")))
     for tok in text.split(", "):
         digits = tok[1:]
         if tok[:1] != "%" or not (digits.isascii() and digits.isdigit()):
             raise ValueError(f"bad buffer {tok!r}")
-        out.append(int(digits))
-    return tuple(out)
+    raise ValueError(f"bad buffer list {text!r}")
 
 
 _I = r"(-?\d+)"
@@ -406,7 +409,9 @@ def parse_instr(text: str) -> Instr:
     Raises:
       ValueError: if `text` is not an instruction.
     """
-    text = _NUMBERED.sub("", text.strip())
+    text = text.strip()
+    if text[:1] == "#":
+        text = _NUMBERED.sub("", text)
     entry = _INSTR_PARSERS.get(text.split(" ", 1)[0])
     m = entry[0].fullmatch(text) if entry else None
     if m is None:

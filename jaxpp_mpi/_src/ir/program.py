@@ -95,10 +95,14 @@ def _pairs(pairs: Mapping[int, int] | Iterable[tuple[int, int]]) -> tuple[tuple[
     return tuple(sorted((int(b), int(k)) for b, k in items))
 
 
+_PAIR = re.compile(r"%(\d+)=(\d+)")
+_BUF = re.compile(r"%\d+")
+
+
 def _parse_pairs(text: str) -> tuple[tuple[int, int], ...]:
     out = []
     for tok in text.split():
-        m = re.fullmatch(r"%(\d+)=(\d+)", tok)
+        m = _PAIR.fullmatch(tok)
         if m is None:
             raise ValueError(f"bad input/output binding {tok!r}")
         out.append((int(m[1]), int(m[2])))
@@ -270,7 +274,7 @@ def _parse_groups(text: str) -> tuple[GroupProgram, ...]:
                 cur["outputs"] = _parse_pairs(rest)
             elif head == "aval":
                 buf, _, aval = rest.partition(" ")
-                if not re.fullmatch(r"%\d+", buf):
+                if not _BUF.fullmatch(buf):
                     raise ValueError(f"bad buffer {buf!r}")
                 cur["avals"].append((int(buf[1:]), Aval.parse(aval)))
             else:

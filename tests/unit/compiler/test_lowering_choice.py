@@ -11,12 +11,13 @@ import pytest
 from test_lower import SCHEDULES, schedule_graph
 
 from jaxpp_mpi._src.compiler import lower, task_models, walks
+from jaxpp_mpi._src.ir.passes import assign_tags
 
 
 def exhaustive_best(graph):
     """The round order and every distinct timed order scored, as `_lower_best`'s rule
     reads without any shortcut: eligible if no worse than the round order under every
-    model, the best mean wins, the earlier one on ties."""
+    model, the best mean wins, the earlier one on ties; its tags assigned."""
     rounds = lower._finish(walks.RoundWalk(graph))
     base = task_models.scores(rounds[0])
     best, best_mean = rounds, sum(base) / len(base)
@@ -28,7 +29,7 @@ def exhaustive_best(graph):
         mean = sum(scores) / len(scores)
         if all(x <= y + 1e-9 for x, y in zip(scores, base)) and mean < best_mean - 1e-9:
             best, best_mean = candidate, mean
-    return best
+    return assign_tags(best[0]), best[1]
 
 
 @pytest.mark.parametrize("name", sorted(SCHEDULES))

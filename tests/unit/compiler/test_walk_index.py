@@ -1,0 +1,84 @@
+"""Walks sharing one `WalkIndex` equal walks on their own; the index's tails are the
+longest paths to the end of the step; a plan is built with the collector paused."""
+
+from __future__ import annotations
+
+import functools
+import gc
+
+import jax
+import models
+import pytest
+from test_lower import SCHEDULES, schedule_graph
+
+import jaxpp_mpi as jp
+from jaxpp_mpi._src.compiler import build, lower, task_models, walks
+from jaxpp_mpi._src.compiler.build import build_step
+from jaxpp_mpi.schedules import Std1F1B
+
+
+def longest_tails(graph, latency):
+    """Per task, the longest path from its start to the end of the step, by plain
+    recursion over group order and dataflow (the reference)."""
+    producer = {v: t.name for ts in graph.tasks for t in ts for v in t.outs}
+    after = {t.name: set() for ts in graph.tasks for t in ts}
+    for ts in graph.tasks:
+        for a, b in zip(ts, ts[1:]):
+            after[a.name].add(b.name)
+        for t in ts:
+            for v in t.ins:
+                if producer.get(v, t.name) != t.name:
+                    after[producer[v]].add(t.name)
+
+    @functools.cache
+    def tail(name):
+        return latency[name] + max((tail(y) for y in after[name]), default=0.0)
+
+    return {name: tail(name) for name in after}
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_walks_sharing_an_index_equal_walks_on_their_own(name):
+    graph = schedule_graph(SCHEDULES[name](4), 8)
+    index = walks.WalkIndex(graph)
+    shared = [lower._finish(walks.RoundWalk(graph, index))]
+    alone = [lower._finish(walks.RoundWalk(graph))]
+    for model in task_models.ESTIMATES:
+        estimate = task_models.estimate(graph, model)
+        for eager in (True, False):
+            shared.append(lower._finish(walks.TimedWalk(graph, estimate, eager, index)))
+            alone.append(lower._finish(walks.TimedWalk(graph, estimate, eager)))
+    assert shared == alone
+
+
+@pytest.mark.parametrize("name", ["1f1b", "interleaved", "zerobubble"])
+def test_tails_are_the_longest_paths_to_the_end(name):
+    graph = schedule_graph(SCHEDULES[name](3), 6)
+    index = walks.WalkIndex(graph)
+    for model in task_models.ESTIMATES:
+        estimate = task_models.estimate(graph, model)
+        assert index.tails(estimate) == longest_tails(graph, estimate)
+        assert index.tails(estimate) is index.tails(estimate)  # computed once per estimate
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_a_plan_is_built_with_the_collector_paused(monkeypatch, enabled):
+    params, batch, loss_fn = models.mlp(2, 4, width=4, rows=2)
+    step, optimizer = models.make_step(loss_fn, Std1F1B(2))
+    mesh = jp.MpmdMesh(jax.make_mesh((2, 1), ("stage", "data")), "stage")
+    seen = []
+    original = build.lower_cached
+
+    def spy(*args, **kwargs):
+        seen.append(gc.isenabled())
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(build, "lower_cached", spy)
+    was = gc.isenabled()
+    (gc.enable if enabled else gc.disable)()
+    try:
+        build_step(step, (optimizer.init(params), params, batch), 2, mesh=mesh)
+        assert seen == [False]
+        assert gc.isenabled() is enabled  # left as it was
+    finally:
+        (gc.enable if was else gc.disable)()
