@@ -13,12 +13,12 @@ JAXPP_MPI_PYTHON ?= $(abspath $(PY))
 export JAXPP_MPI_PYTHON
 MPI_TIMEOUT ?= 900
 PYTEST_ARGS ?=
-# Processes for the single-process tests (pytest-xdist): each mostly runs one XLA compile
-# at a time, so 2 keep a 2-core machine busy (tests/unit + tests/local: 8:08 in one
-# process, 6:01 in two, on the 2-core CI machine). A venv from before xdist was a test
-# dependency runs them in one process (`make install` adds it).
-TEST_WORKERS ?= 2
-XDIST        = $$($(PY) -c 'import xdist' 2>/dev/null && printf -- '-n %s' $(TEST_WORKERS) || \
+# Processes for the single-process tests (pytest-xdist): each runs one XLA compile or one
+# trace at a time and waits between them, so 2 left a 2-core machine 40% idle (tests/unit
+# + tests/local: 5:41 with 2, 4:35 with 3, the same machine equally loaded). A venv from
+# before xdist was a test dependency runs them in one process (`make install` adds it).
+TEST_WORKERS ?= 3
+XDIST        = $$($(PY) -c 'import xdist' 2>/dev/null && printf -- '-n %s %s' $(TEST_WORKERS) "$(1)" || \
                  echo "pytest-xdist missing (make install adds it): one process" >&2)
 # Each MPI test run: pytest-mpi on every rank, a per-test timeout, a hard outer timeout;
 # a failure on any rank aborts the whole job (tests/conftest.py, "MPI harness"). The last
@@ -27,17 +27,24 @@ XDIST        = $$($(PY) -c 'import xdist' 2>/dev/null && printf -- '-n %s' $(TES
 MPI_PYTEST   = timeout -k 10 $(MPI_TIMEOUT) $(JPPRUN) -n $(1) python -m pytest tests/mpi \
                --with-mpi -p no:cacheprovider --timeout=300 --color=no -q $(PYTEST_ARGS)
 
-.PHONY: install test test-unit test-mpi test-hosts test-hosts-long fuzz test-slurm example bench lint clean
+.PHONY: install test test-unit test-jobs test-mpi test-hosts test-hosts-long fuzz test-slurm example bench lint clean
 
 install:
 	VENV=$(VENV) bash tools/install.sh
 
-test: lint test-unit test-mpi test-hosts
+test: lint test-unit test-jobs test-mpi
 
-# tests/jobs start MPI jobs of their own, whose ranks take a core each: one at a time.
 test-unit: $(PY)
-	$(PY) -m pytest tests/unit tests/local -q $(XDIST) $(PYTEST_ARGS)
-	$(PY) -m pytest tests/jobs -q $(PYTEST_ARGS)
+	$(PY) -m pytest tests/unit tests/local -q $(call XDIST) $(PYTEST_ARGS)
+
+# tests/jobs and tests/hosts start MPI jobs of their own, whose ranks mostly wait (on a
+# deadline, a signal, a peer, a link): they run side by side, a test file per worker (a
+# file's tests may share hosts or build on each other's checkpoints). One at a time they
+# took 6:29 + 2:31, side by side 4:11 (the same 2-core machine, equally loaded), every
+# time bound still met.
+test-jobs: $(PY)
+	timeout -k 10 1800 $(PY) -m pytest tests/jobs tests/hosts --ignore=tests/hosts/long -q \
+	  $(call XDIST,--dist loadfile) $(PYTEST_ARGS)
 
 # -n 4 repeats what more ranks change (pipelines, transport, meshes, reshard, keys across
 # stages, fuzz); bad input, the call surface, constraints, arrays, traces, task times and
@@ -78,8 +85,8 @@ test-mpi: $(PY)
 
 # Jobs across hosts made on this machine: network namespaces joined by a bridge, Open MPI
 # over TCP between them (tests/hosts/netns.py; root needed, else skipped naming why). The
-# faults (a link cut inside and between steps, a host lost) run here; every schedule across
-# hosts, uneven hosts and 8 and 16 ranks under test-hosts-long (~11 min).
+# faults (a link cut inside and between steps, a host lost) run here and in test-jobs;
+# every schedule across hosts, uneven hosts and 8 and 16 ranks under test-hosts-long (~11 min).
 test-hosts: $(PY)
 	timeout -k 10 900 $(PY) -m pytest tests/hosts -q --ignore=tests/hosts/long $(PYTEST_ARGS)
 test-hosts-long: $(PY)
@@ -88,7 +95,7 @@ test-hosts-long: $(PY)
 # The program fuzzer's long run (tests/fuzz/programs.py): 300 generated training steps per
 # schedule, 2,100 in all, each against jax.jit in local mode (make test runs 2 per schedule).
 fuzz: $(PY)
-	JAXPP_MPI_FUZZ_EXAMPLES=300 $(PY) -m pytest tests/local/test_fuzz_programs.py -q $(XDIST) $(PYTEST_ARGS)
+	JAXPP_MPI_FUZZ_EXAMPLES=300 $(PY) -m pytest tests/local/test_fuzz_programs.py -q $(call XDIST) $(PYTEST_ARGS)
 
 # launch/slurm/train.sbatch for real on a single-node SLURM installed and started here
 # (root, Debian/apt; ~2-4 min); not part of `test`. See tests/slurm/run_single_node_slurm.sh.

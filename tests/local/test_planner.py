@@ -57,7 +57,7 @@ def test_predicted_peak_bytes_equal_memory_analysis(model, sched):
 
 
 def test_ranking_lists_every_schedule_and_flags_fit():
-    step, args = _step("transformer", "1f1b", 4, 4, rows=4)
+    step, args = _step("mlp", "1f1b", 4, 4, rows=4)
     everything = plan(step, *args, mpmd_mesh=_mesh(), batch_argnums=2)
     peaks = sorted(p.peak for p in everything.plans)
     limit = peaks[len(peaks) // 2]

@@ -27,6 +27,7 @@ from models import (
 )
 from models import schedule as named_schedule
 from mpi4py import MPI
+from rank0_reference import on_rank_0
 
 import jaxpp_mpi
 
@@ -60,7 +61,7 @@ def _everywhere(ok: bool, detail: str = "") -> None:
 @pytest.mark.parametrize("sched_name", ["1f1b", "zerobubble"])
 def test_sharded_groups_match_jax_jit(sched_name, axis):
     step, optimizer, params, batch, (pspecs, bspecs) = problem(sched_name, 2 * SIZE)
-    reference = run_steps(jax.jit(step), optimizer.init(params), params, batch)
+    reference = on_rank_0(lambda: run_steps(jax.jit(step), optimizer.init(params), params, batch))
     f = jaxpp_mpi.mpmd_jit_with_loop(step, mpmd_mesh=mpmd_mesh(axis),
                                      in_shardings=(None, pspecs, bspecs),
                                      donate_argnums=(0, 1))

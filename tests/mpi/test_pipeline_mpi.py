@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 from models import SCHEDULES, assert_close_to_reference, make_step, mlp, run_steps, schedule
 from models import transformer as transformer_model
 from mpi4py import MPI
+from rank0_reference import on_rank_0
 
 import jaxpp_mpi
 from jaxpp_mpi._src.ir.program import Aval, GroupProgram, Program, Recv, Run, Send
@@ -42,7 +43,7 @@ def _parity(mesh, build, sched_name: str, microbatches: int) -> None:
     params, batch, loss_fn = build(sched.num_stages, microbatches)
     step, opt = make_step(loss_fn, sched)
     opt_state = opt.init(params)
-    reference = run_steps(jax.jit(step), opt_state, params, batch)
+    reference = on_rank_0(lambda: run_steps(jax.jit(step), opt_state, params, batch))
     pipelined = run_steps(jaxpp_mpi.mpmd_jit_with_loop(step, mpmd_mesh=mesh),
                           opt_state, params, batch)
     compared = assert_close_to_reference(reference, pipelined)
@@ -85,7 +86,7 @@ def test_rendezvous_sized_messages_finish(mesh, sched_name):
 
     step, opt = make_step(loss_fn, sched)
     opt_state = opt.init(params)
-    reference = run_steps(jax.jit(step), opt_state, params, batch, steps=1)
+    reference = on_rank_0(lambda: run_steps(jax.jit(step), opt_state, params, batch, steps=1))
     pipelined = run_steps(jaxpp_mpi.mpmd_jit_with_loop(step, mpmd_mesh=mesh),
                           opt_state, params, batch, steps=1)
     assert_close_to_reference(reference, pipelined)

@@ -21,6 +21,7 @@ from models import (
     schedule,
 )
 from mpi4py import MPI
+from rank0_reference import on_rank_0
 
 import jaxpp_mpi
 from jaxpp_mpi._src.ir.program import AllReduce
@@ -69,7 +70,7 @@ def test_two_replicas_match_jit_every_schedule(meshes, sched_name):
     mesh = meshes[2]
     step, opt, params, batch = _problem(mesh, sched_name, 8)
     opt_state = opt.init(params)
-    reference = run_steps(jax.jit(step), opt_state, params, batch)
+    reference = on_rank_0(lambda: run_steps(jax.jit(step), opt_state, params, batch))
     fn = jaxpp_mpi.mpmd_jit_with_loop(step, mpmd_mesh=mesh)
     pipelined = run_steps(fn, opt_state, params, batch)
     compared = assert_close_to_reference(reference, pipelined)
@@ -84,7 +85,7 @@ def test_one_replica_same_script(meshes):
     mesh = meshes[1]
     step, opt, params, batch = _problem(mesh, "1f1b", mesh.mpmd_dim)
     opt_state = opt.init(params)
-    reference = run_steps(jax.jit(step), opt_state, params, batch)
+    reference = on_rank_0(lambda: run_steps(jax.jit(step), opt_state, params, batch))
     pipelined = run_steps(jaxpp_mpi.mpmd_jit_with_loop(step, mpmd_mesh=mesh),
                           opt_state, params, batch)
     _everywhere(assert_close_to_reference(reference, pipelined) > 0)
@@ -118,7 +119,7 @@ def test_sharded_replicas_match_jit(meshes, sched_name):
     step, opt, params, batch = _problem(mesh, sched_name, 4, width=8 * K, rows=2 * K)
     params = jax.tree.map(lambda x: jax.numpy.asarray(np.asarray(x)), params)
     pspecs, bspecs = megatron_specs("mlp", params, batch)
-    reference = run_steps(jax.jit(step), opt.init(params), params, batch)
+    reference = on_rank_0(lambda: run_steps(jax.jit(step), opt.init(params), params, batch))
     fn = jaxpp_mpi.mpmd_jit_with_loop(step, mpmd_mesh=mesh, in_shardings=(None, pspecs, bspecs),
                                       donate_argnums=(0, 1))
     got = run_steps(fn, opt.init(params), params, batch)
@@ -137,7 +138,7 @@ def test_each_rank_passes_its_share_of_the_batch(meshes, replicas):
     mesh = meshes[replicas]
     n = 4
     step, opt, params, batch = _problem(mesh, "1f1b", n)
-    reference = run_steps(jax.jit(step), opt.init(params), params, batch)
+    reference = on_rank_0(lambda: run_steps(jax.jit(step), opt.init(params), params, batch))
     mine = _share(batch, mesh.replica_idx, n // replicas)
     fn = jaxpp_mpi.mpmd_jit_with_loop(step, mpmd_mesh=mesh,
                                       in_shardings=(None, None, P("replica")))

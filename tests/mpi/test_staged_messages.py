@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 from models import assert_close_to_reference, make_step, mlp, run_steps, schedule
 from models import transformer as transformer_model
 from mpi4py import MPI
+from rank0_reference import on_rank_0
 
 import jaxpp_mpi
 import jaxpp_mpi.trace
@@ -93,7 +94,7 @@ def _staged_parity(mesh, model: str, sched_name: str) -> None:
     params, batch, loss_fn = build(sched.num_stages, 2 * SIZE)
     step, opt = make_step(loss_fn, sched)
     opt_state = opt.init(params)
-    reference = run_steps(jax.jit(step), opt_state, params, batch)
+    reference = on_rank_0(lambda: run_steps(jax.jit(step), opt_state, params, batch))
     compiled = jaxpp_mpi.mpmd_jit_with_loop(step, mpmd_mesh=mesh).compile(
         opt_state, params, batch)
     assert compiled._executor._sends is not None  # the staged path, not chains
