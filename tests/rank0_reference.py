@@ -24,8 +24,9 @@ POLL_S = 0.005
 
 
 def on_rank_0(compute: Callable[[], Any], comm=None) -> Any:
-    """`compute()`'s result with numpy leaves, on every rank of `comm` (the world by
-    default), computed on rank 0 only. Collective: every rank calls it, in the same order.
+    """`compute()`'s result, its jax.Array leaves as numpy, on every rank of `comm` (the
+    world by default), computed on rank 0 only. Collective: every rank calls it, in the
+    same order.
 
     Raises:
       RuntimeError: on every rank, if `compute` raised on rank 0 (its message quoted).
@@ -34,7 +35,7 @@ def on_rank_0(compute: Callable[[], Any], comm=None) -> Any:
     result, error = None, None
     if comm.rank == 0:
         try:
-            result = jax.tree.map(np.asarray, compute())
+            result = jax.tree.map(_portable, compute())
         except Exception as e:  # every rank learns of it below
             error = f"{type(e).__name__}: {e}"
     request = comm.Ibarrier()
@@ -44,3 +45,8 @@ def on_rank_0(compute: Callable[[], Any], comm=None) -> Any:
     if error is not None:
         raise RuntimeError(f"the jax.jit reference failed on rank 0: {error}")
     return result
+
+
+def _portable(leaf: Any) -> Any:
+    """A jax.Array as numpy (what pickles); any other leaf as it is."""
+    return np.asarray(leaf) if isinstance(leaf, jax.Array) else leaf

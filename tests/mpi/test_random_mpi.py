@@ -3,7 +3,8 @@
 
 The models and steps are tests/local/test_random.py's: dropout in every stage, a typed
 key in the state split every step, keys folded per microbatch and stage. Each rank
-compares the leaves it holds (keys bit for bit) with the reference it computes itself.
+compares the leaves it holds (keys bit for bit) with the reference rank 0 computes
+(tests/rank0_reference.py).
 Runs under `launch/jpprun -n 2` and `-n 4`.
 """
 
@@ -24,6 +25,7 @@ from local.test_random import (
     run,
 )
 from mpi4py import MPI
+from rank0_reference import on_rank_0
 
 import jaxpp_mpi
 from jaxpp_mpi._src.ir.program import Aval, Recv, Send, SendRecv
@@ -45,7 +47,7 @@ def test_random_dropout_parity_mpi(mesh, sched_name):
     jax.jit on every rank; the rank holding the key (group 0's) sees jax.jit's bits."""
     sched = SCHEDULES[sched_name](SIZE)
     state, batch = problem(sched.num_stages, 2 * SIZE)
-    keys = assert_parity(run(reference(mlp_loss), state, batch),
+    keys = assert_parity(on_rank_0(lambda: run(reference(mlp_loss), state, batch)),
                          run(pipelined(mlp_loss, sched, mesh), state, batch))
     counts = WORLD.allgather(keys)
     assert sum(counts) == NUM_STEPS, counts  # the key is held, and checked, once
@@ -66,7 +68,8 @@ def test_random_key_crosses_ranks(mesh):
             and g0.aval(i.buf if isinstance(i, Send) else i.send_buf) == key_aval]
     received = [i for i in g1.instrs if isinstance(i, (Recv, SendRecv)) and i.aval == key_aval]
     assert len(sent) == len(received) == n
-    assert_parity(run(reference(crossing_loss), state, batch), run(step, state, batch))
+    assert_parity(on_rank_0(lambda: run(reference(crossing_loss), state, batch)),
+                  run(step, state, batch))
 
 
 @pytest.mark.mpi(min_size=2)
@@ -74,5 +77,5 @@ def test_random_keys_made_inside_stages_mpi(mesh):
     """Keys from integer seeds and from a closed-over key constant, inside the stages."""
     sched = jaxpp_mpi.Std1F1B(SIZE)
     state, batch = problem(SIZE, 2 * SIZE, seed=1)
-    assert_parity(run(reference(inner_key_loss), state, batch),
+    assert_parity(on_rank_0(lambda: run(reference(inner_key_loss), state, batch)),
                   run(pipelined(inner_key_loss, sched, mesh), state, batch))
