@@ -91,6 +91,7 @@ STALLS = {
     "stall-should-stop": ("preemption agreement (PreemptionGuard.should_stop)",),
     "stall-save": ("checkpoint save of ",),
     "stall-reshard": ("reshard agreement",),
+    "stall-export": ("trace.export to ",),
     "stall-user": ("loss broadcast",),
 }
 DEADLINE_S, GRACE_S = 2, 1
@@ -99,8 +100,9 @@ DEADLINE_S, GRACE_S = 2, 1
 @pytest.mark.parametrize("fault", sorted(STALLS))
 def test_a_stall_outside_the_step_ends_the_job_naming_where_the_ranks_wait(fault):
     """Rank 1 stalls before a collective outside the step (tracing, `should_stop`,
-    `checkpoint.save`, a reshard, the user's own bcast under `jaxpp_mpi.launch.deadline`):
-    rank 0 prints where it waits and the job aborts within the deadline plus grace."""
+    `checkpoint.save`, a reshard, `trace.export`, the user's own bcast under
+    `jaxpp_mpi.launch.deadline`): rank 0 prints where it waits and the job aborts
+    within the deadline plus grace."""
     rc, out, since_fault = run_fault(fault, JAXPP_MPI_DEADLINE=str(DEADLINE_S),
                                      JAXPP_MPI_WATCHDOG_GRACE=str(GRACE_S),
                                      JAXPP_MPI_FAULT_STAMP="1")

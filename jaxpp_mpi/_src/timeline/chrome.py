@@ -46,7 +46,7 @@ from typing import Any
 from jaxpp_mpi._src.schedules.tasks import parse_label
 from jaxpp_mpi._src.timeline.timing import TraceEvent, message_overlap, record_trace_events
 
-__all__ = ["chrome_trace", "export", "load", "record"]
+__all__ = ["chrome_trace", "decode_events", "encode_events", "load", "record", "write_trace"]
 
 
 def record() -> contextlib.AbstractContextManager[list[TraceEvent]]:
@@ -176,7 +176,7 @@ def chrome_trace(
     return {"traceEvents": meta + slices, "displayTimeUnit": "ms", "otherData": data}
 
 
-def _write_json(path: str | os.PathLike, trace: Mapping[str, Any]) -> None:
+def write_trace(path: str | os.PathLike, trace: Mapping[str, Any]) -> None:
     """Writes `trace` to `path` atomically (a temporary file, then a rename)."""
     path = os.fspath(path)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -190,72 +190,19 @@ def _write_json(path: str | os.PathLike, trace: Mapping[str, Any]) -> None:
             os.remove(tmp)
 
 
-def _encode(events: Sequence[TraceEvent]) -> bytes:
+def encode_events(events: Sequence[TraceEvent]) -> bytes:
+    """`events` as JSON bytes (no pickle), for gathering across ranks."""
     rows = [[e.name, e.cat, e.group, e.start_ns, e.end_ns,
              {k: _jsonable(v) for k, v in e.args.items()}] + ([e.track] if e.track else [])
             for e in events]
     return json.dumps(rows).encode()
 
 
-def _decode(data: bytes) -> list[TraceEvent]:
+def decode_events(data: bytes) -> list[TraceEvent]:
+    """The events `encode_events` wrote (JSON data only)."""
     return [TraceEvent(str(n), str(c), int(g), int(s), int(t), dict(a),
                        str(track[0]) if track else "")
             for n, c, g, s, t, a, *track in json.loads(data)]
-
-
-def export(
-    path: str | os.PathLike,
-    events: Sequence[TraceEvent],
-    mpmd_mesh: Any,
-    *,
-    root: int = 0,
-    other_data: Mapping[str, Any] | None = None,
-) -> dict[str, Any] | None:
-    """Writes the Chrome trace of every rank's `events` to `path` on rank `root`.
-
-    In MPI mode this is collective over the mesh's job (`mpmd_mesh.job_comm`: every
-    rank of every pipeline replica): every rank calls it with its own events (from
-    `record`); they are gathered to `root` as JSON (no pickle), put on root's clock (see
-    `Note: trace clocks`) and written there; a failure to write raises on every rank.
-    In local mode the one process writes its events.
-
-    Args:
-      path: the JSON file to write (its directory is created; written atomically).
-      events: this process's events of the recorded step(s).
-      mpmd_mesh: the `MpmdMesh` the step ran on.
-      root: the rank of the job that writes the file.
-      other_data: extra entries for the trace's `otherData`.
-
-    Returns:
-      The trace dict on the rank that wrote it, None on the others.
-
-    Raises:
-      OSError: on every rank, if `root` could not write `path`.
-    """
-    if mpmd_mesh.is_local:
-        trace = chrome_trace([list(events)], local=True, other_data=other_data)
-        _write_json(path, trace)
-        return trace
-    from jaxpp_mpi._src.mpi import collectives  # the MPI layer (imports mpi4py)
-
-    comm = mpmd_mesh.job_comm.Dup()  # private tags: nothing can match a runtime message
-    try:
-        gathered = collectives.gather_bytes(_encode(events), comm, root)
-        offsets = collectives.clock_offsets_ns(comm, root)
-        trace, error = None, ""
-        if gathered is not None:
-            trace = chrome_trace([_decode(b) for b in gathered], offsets_ns=offsets,
-                                 other_data=other_data, replicas=mpmd_mesh.num_replicas)
-            try:
-                _write_json(path, trace)
-            except (OSError, TypeError, ValueError) as e:  # raised on every rank below
-                error = f"rank {root} could not write the trace to {path}: {e}"
-        error = collectives.bcast_bytes(error.encode(), comm, root).decode()
-    finally:
-        comm.Free()
-    if error:
-        raise OSError(error)
-    return trace
 
 
 def load(path: str | os.PathLike) -> dict[str, Any]:

@@ -5,9 +5,9 @@ stalls in step 6 of 8 back-to-back steps), stall-between (rank 1 stalls before c
 step 6 of 8), stall-between-0 (rank 0 does), stall-trace (rank 1 stalls while tracing),
 and, without any step, rank 1 stalling before: stall-should-stop
 (`PreemptionGuard.should_stop`), stall-save (`checkpoint.save`), stall-reshard
-(`spmd_to_mpmd_reshard`), stall-user (a user's bcast under `jaxpp_mpi.launch.deadline`).
-The job must end promptly (or finish, for `none`), never hang. replica_faults.py imports
-its loss (`probed_loss`) and `wait_for`."""
+(`spmd_to_mpmd_reshard`), stall-export (`trace.export`), stall-user (a user's bcast
+under `jaxpp_mpi.launch.deadline`). The job must end promptly (or finish, for `none`),
+never hang. replica_faults.py imports its loss (`probed_loss`) and `wait_for`."""
 
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ from mpi4py import MPI
 
 import jaxpp_mpi
 import jaxpp_mpi.launch
+import jaxpp_mpi.trace
 from jaxpp_mpi import checkpoint
 
 FAULT = sys.argv[1]
@@ -62,6 +63,9 @@ def outside_the_step(mesh) -> None:
     elif FAULT == "stall-reshard":
         target = jaxpp_mpi.MpmdSharding(mesh, [0], PartitionSpec())
         jaxpp_mpi.spmd_to_mpmd_reshard(mesh, {"w": jnp.ones(4)}, {"w": target})
+    elif FAULT == "stall-export":
+        path = os.path.join(tempfile.gettempdir(), f"jaxpp_mpi_fault_{os.getpid()}.json")
+        jaxpp_mpi.trace.export(path, [], mesh)
     elif FAULT == "stall-user":
         with jaxpp_mpi.launch.deadline("loss broadcast", mesh.comm):
             mesh.comm.bcast(1.0, root=1)
@@ -110,7 +114,8 @@ def main() -> None:
     size = MPI.COMM_WORLD.size
     mesh = jaxpp_mpi.make_mpmd_mesh((size, 1), ("stage", "data"), "stage")
     params = [jnp.eye(8) * 0.5 for _ in range(size)]
-    if FAULT in ("stall-should-stop", "stall-save", "stall-reshard", "stall-user"):
+    if FAULT in ("stall-should-stop", "stall-save", "stall-reshard", "stall-export",
+                 "stall-user"):
         outside_the_step(mesh)
 
     def step(params, batch):

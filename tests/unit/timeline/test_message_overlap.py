@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from jaxpp_mpi._src.timeline.chrome import _decode, _encode, chrome_trace
+from jaxpp_mpi._src.timeline.chrome import chrome_trace, decode_events, encode_events
 from jaxpp_mpi._src.timeline.timing import TraceEvent, message_overlap
 
 MS = 1_000_000  # ns
@@ -75,4 +75,4 @@ def test_thread_tracks_in_a_chrome_trace():
 
 def test_tracks_survive_the_gather_encoding():
     events = [task(0, 0, 1), message(0, 0, 1, "MPI send"), message(0, 1, 2, "send", "")]
-    assert _decode(_encode(events)) == events
+    assert decode_events(encode_events(events)) == events
