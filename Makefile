@@ -32,7 +32,12 @@ MPI_PYTEST   = timeout -k 10 $(MPI_TIMEOUT) $(JPPRUN) -n $(1) python -m pytest t
 install:
 	VENV=$(VENV) bash tools/install.sh
 
-test: lint test-unit test-jobs test-mpi
+# The single-process tests and the jobs' tests leave a core idle between them (compiles
+# one at a time per worker; ranks waiting on deadlines, signals and links): they run side
+# by side, each target's output printed whole when it ends; then the mpirun runs.
+test: lint
+	$(MAKE) --no-print-directory -j2 --output-sync=target test-unit test-jobs
+	$(MAKE) --no-print-directory test-mpi
 
 test-unit: $(PY)
 	$(PY) -m pytest tests/unit tests/local -q $(call XDIST) $(PYTEST_ARGS)
