@@ -14,9 +14,9 @@ export JAXPP_MPI_PYTHON
 MPI_TIMEOUT ?= 900
 PYTEST_ARGS ?=
 # Processes for the single-process tests (pytest-xdist): each runs one XLA compile or one
-# trace at a time and waits between them, so 2 left a 2-core machine 40% idle (tests/unit
-# + tests/local: 5:41 with 2, 4:35 with 3, the same machine equally loaded). A venv from
-# before xdist was a test dependency runs them in one process (`make install` adds it).
+# trace at a time and waits between them, so 2 left a 2-core machine ~40% idle (tests/unit
+# + tests/local with a warm compilation cache: 5:41 with 2, 4:35 with 3, the same load). A
+# venv from before xdist was a test dependency runs them in one process (`make install`).
 TEST_WORKERS ?= 3
 XDIST        = $$($(PY) -c 'import xdist' 2>/dev/null && printf -- '-n %s %s' $(TEST_WORKERS) "$(1)" || \
                  echo "pytest-xdist missing (make install adds it): one process" >&2)
@@ -32,9 +32,9 @@ MPI_PYTEST   = timeout -k 10 $(MPI_TIMEOUT) $(JPPRUN) -n $(1) python -m pytest t
 install:
 	VENV=$(VENV) bash tools/install.sh
 
-# The single-process tests and the jobs' tests leave a core idle between them (compiles
-# one at a time per worker; ranks waiting on deadlines, signals and links): they run side
-# by side, each target's output printed whole when it ends; then the mpirun runs.
+# The single-process tests and the jobs' tests run side by side (each target's output
+# printed whole when it ends), then the mpirun runs. From a fresh clone on the 2-core
+# machine: 5:21 and 5:21 one after the other, 9:55 side by side; `make test` 16:08.
 test: lint
 	$(MAKE) --no-print-directory -j2 --output-sync=target test-unit test-jobs
 	$(MAKE) --no-print-directory test-mpi
@@ -44,9 +44,8 @@ test-unit: $(PY)
 
 # tests/jobs and tests/hosts start MPI jobs of their own, whose ranks mostly wait (on a
 # deadline, a signal, a peer, a link): they run side by side, a test file per worker (a
-# file's tests may share hosts or build on each other's checkpoints). One at a time they
-# took 6:29 + 2:31, side by side 4:11 (the same 2-core machine, equally loaded), every
-# time bound still met.
+# file's tests may share hosts or build on each other's checkpoints). From a fresh clone:
+# 5:42 + 2:31 one at a time, 5:21 side by side; every time bound still met.
 test-jobs: $(PY)
 	timeout -k 10 1800 $(PY) -m pytest tests/jobs tests/hosts --ignore=tests/hosts/long -q \
 	  $(call XDIST,--dist loadfile) $(PYTEST_ARGS)
