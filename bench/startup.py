@@ -14,13 +14,18 @@ processes taking turns (this tree, then `--baseline`'s tree when given):
   program cache off, its lowering part (`lower`: the task graph to the verified
   program) timed apart, and the process's peak resident memory;
 - `cached`: a second process planning the same step with a program cache that the
-  first filled (`Note: program cache`): a relaunch's plan time (this tree only);
+  first filled (`Note: program cache`): a relaunch's plan time (this tree only); for
+  programs of at most `--first-step-max` instructions both processes also compile and
+  run the first steps with JAX's persistent compilation cache on (beside the program
+  cache, as `JAXPP_MPI_PROGRAM_CACHE=auto` keeps them), so the second one gives a
+  relaunch's time to its first step (`to_first_step_s`: plan, compile and first step);
 - `baseline`: `plan` of the other tree, for programs up to `--baseline-max`
   instructions (the old lowering takes minutes beyond);
 - `first_step`: for programs of at most `--first-step-max` instructions, compile and
-  the first and second step's wall time (`compiled(*args)`, results ready), and the
-  second step's time per instruction: the executor's dispatch cost. Larger programs
-  are planned only: running them here takes minutes per step of XLA's CPU work.
+  the first and second step's time (`compiled(*args)`, results ready), the time to
+  the first step from a cold start (`to_first_step_s`), and the second step's time per
+  instruction: the executor's dispatch cost. Larger programs are planned only: running
+  them here takes minutes per step of XLA's CPU work.
 
 Times are the measured process's CPU seconds (`time.process_time`; planning is one
 Python thread), the primary figures because the machine is shared: its wall time grows
@@ -139,9 +144,10 @@ def child(spec: dict) -> dict:
     out["program_sha256"] = plan.program.hash()
     out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     if run:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         compiled = step.compile(opt_state, params, batch)
-        out["compile_s"] = time.perf_counter() - start
+        out["compile_wall_s"] = time.perf_counter() - start
+        out["compile_s"] = time.process_time() - cpu
         state = (opt_state, params)
         for k in ("first_step", "second_step"):
             start, cpu = time.perf_counter(), time.process_time()
@@ -151,15 +157,26 @@ def child(spec: dict) -> dict:
             out[k + "_wall_s"] = time.perf_counter() - start
             out[k + "_s"] = time.process_time() - cpu
         out["dispatch_us_per_instruction"] = 1e6 * out["second_step_s"] / out["instructions"]
+        out["to_first_step_s"] = out["plan_s"] + out["compile_s"] + out["first_step_s"]
+        out["to_first_step_wall_s"] = (out["plan_wall_s"] + out["compile_wall_s"]
+                                       + out["first_step_wall_s"])
         out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return out
 
 
 def measure(spec: dict, tree: str | None, cache_dir: str | None) -> dict:
-    """Runs `child(spec)` in a fresh process with `tree` first on the path."""
+    """Runs `child(spec)` in a fresh process with `tree` first on the path; with
+    `cache_dir`, the program cache and JAX's compilation cache live there."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (tree or ROOT, env.get("PYTHONPATH")) if p)
-    env["JAXPP_MPI_PROGRAM_CACHE"] = cache_dir or "0"
+    env["JAXPP_MPI_PROGRAM_CACHE"] = os.path.join(cache_dir, "programs") if cache_dir else "0"
+    for name in ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
+                 "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"):
+        env.pop(name, None)
+    if cache_dir:
+        env["JAX_COMPILATION_CACHE_DIR"] = os.path.join(cache_dir, "jax")
+        env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+        env["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
     env.pop("JAXPP_MPI_THREADS_PER_RANK", None)
     with tempfile.NamedTemporaryFile("r", suffix=".json") as f:
         cmd = [sys.executable, os.path.abspath(__file__), "--child",
@@ -182,6 +199,15 @@ def fit(points: list[tuple[int, float]]) -> dict:
     return {"a_s": mt - b * mn, "b_us_per_instruction": 1e6 * b}
 
 
+def _first_step_words(row: dict) -> str:
+    """The times to the first step of a cold start and of a relaunch, when measured."""
+    cold = row.get("first_step", {}).get("to_first_step_s")
+    warm = row["median"].get("cached", {}).get("to_first_step_s")
+    if cold is None or warm is None:
+        return ""
+    return f", to first step {cold:.2f} s (relaunch {warm:.2f} s)"
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.child:
@@ -197,14 +223,15 @@ def main(argv=None) -> int:
         row: dict = {**spec, "new": [], "cached": [], "baseline": []}
         for _ in range(args.repeats):
             row["new"].append(measure(spec, None, None))
-            if args.baseline and row["new"][0]["instructions"] <= args.baseline_max:
+            n = row["new"][0]["instructions"]
+            if args.baseline and n <= args.baseline_max:
                 row["baseline"].append(measure(spec, os.path.abspath(args.baseline), None))
             if args.no_cached:
                 continue
+            relaunch = {**spec, "run": n <= args.first_step_max}
             with tempfile.TemporaryDirectory() as cache:
-                measure(spec, None, cache)  # fills the cache
-                row["cached"].append(measure(spec, None, cache))
-        n = row["new"][0]["instructions"]
+                measure(relaunch, None, cache)  # fills the caches
+                row["cached"].append(measure(relaunch, None, cache))
         if n <= args.first_step_max:
             row["first_step"] = measure({**spec, "run": True}, None, None)
         med = {side: {k: statistics.median(r[k] for r in row[side])
@@ -216,11 +243,15 @@ def main(argv=None) -> int:
         row["programs_equal"] = len(same) == 1
         rows.append(row)
         write_json(args.out, {"meta": {"partial": True}, "rows": rows})
+        if row["cached"] and "to_first_step_s" in row["cached"][0]:
+            med["cached"]["to_first_step_s"] = statistics.median(
+                r["to_first_step_s"] for r in row["cached"])
         old = med.get("baseline", {}).get("plan_s")
         cached = med.get("cached", {}).get("plan_s", float("nan"))
         print(f"{schedule} {groups}x{mbs}: {n} instructions, plan {med['new']['plan_s']:.2f} s "
               f"(lower {med['new']['lower_s']:.2f} s), cached {cached:.2f} s"
               + (f", baseline {old:.2f} s" if old is not None else "")
+              + _first_step_words(row)
               + f", same program: {row['programs_equal']}", flush=True)
     points = [(r["new"][0]["instructions"], r["median"]["new"]["lower_s"]) for r in rows]
     result = {

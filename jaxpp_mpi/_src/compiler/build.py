@@ -1,9 +1,10 @@
 """The compiler's driver: a user step becomes a verified Program and its executables.
 
     trace_step ─▶ split_body ─▶ assign_loop_homes ─▶ assign_outer_homes
-      ─▶ build_loop_tasks ─▶ outer_segments ─▶ segment_tasks (segment_tasks.py: exports,
-      donations) ─▶ TaskGraph ─▶ lower_cached (program_cache.py: the lowering, or the
-      program an earlier launch lowered)
+      ─▶ loop_order, loop_exes ─▶ outer_segments ─▶ segment_tasks (segment_tasks.py:
+      exports, donations) ─▶ the step entry of an earlier launch (program_cache.py), or
+      loop_task_nodes ─▶ TaskGraph ─▶ lower_cached (the lowering, or the program an
+      earlier launch lowered from the same graph)
 
 Every pass is a function of plain data; this module only wires them and names the
 step's inputs and outputs. Nothing here touches devices: `StepPlan` is the same on
@@ -16,7 +17,10 @@ import contextlib
 import dataclasses
 import functools
 import gc
+import logging
 import math
+import time
+import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -25,15 +29,27 @@ from jax.extend import core as jex_core
 
 from jaxpp_mpi._src.base.errors import CompileError
 from jaxpp_mpi._src.base.types import Spec
-from jaxpp_mpi._src.compiler import replicas
+from jaxpp_mpi._src.compiler import fingerprint, replicas
 from jaxpp_mpi._src.compiler.homes import LoopHomes, assign_loop_homes, assign_outer_homes
 from jaxpp_mpi._src.compiler.internal_errors import internal_error
 from jaxpp_mpi._src.compiler.keys import aval_of, is_key, key_impl
-from jaxpp_mpi._src.compiler.loop_tasks import Exe, build_loop_tasks
+from jaxpp_mpi._src.compiler.loop_tasks import (
+    Exe,
+    LoopOrder,
+    LoopTasks,
+    loop_exes,
+    loop_order,
+    loop_task_nodes,
+)
 from jaxpp_mpi._src.compiler.outer import OuterNames, input_value, outer_segments
-from jaxpp_mpi._src.compiler.program_cache import ProgramCache, lower_cached
+from jaxpp_mpi._src.compiler.program_cache import (
+    ProgramCache,
+    StepEntry,
+    lower_cached,
+    step_key,
+)
 from jaxpp_mpi._src.compiler.segment_tasks import segment_tasks
-from jaxpp_mpi._src.compiler.split import split_body
+from jaxpp_mpi._src.compiler.split import SplitBody, split_body
 from jaxpp_mpi._src.compiler.task_graph import TaskGraph, TaskNode, Value
 from jaxpp_mpi._src.compiler.trace_step import trace_step
 from jaxpp_mpi._src.ir.program import Aval, Program
@@ -42,6 +58,8 @@ if TYPE_CHECKING:
     from jaxpp_mpi._src.arrays.mesh import MpmdMesh
 
 __all__ = ["StepPlan", "build_step"]
+
+logger = logging.getLogger("jaxpp_mpi")
 
 ExeAvals = tuple[tuple[Aval, ...], tuple[Aval, ...]]  # an executable's (input, output) avals
 
@@ -83,6 +101,9 @@ class StepPlan:
         fingerprints` in compiler/fingerprint.py).
       program_from_cache: whether the program was read from the program cache rather
         than lowered (`Note: program cache` in compiler/program_cache.py).
+      step_from_cache: whether it came from a step entry: no loop task node, task
+        graph, lowering or verification was built for this plan.
+      cache_read_s: the seconds reading that step entry took (not compared).
     """
 
     program: Program
@@ -106,6 +127,8 @@ class StepPlan:
     replica_microbatches: int = 0
     step_jaxpr: jex_core.Jaxpr | None = None
     program_from_cache: bool = False
+    step_from_cache: bool = False
+    cache_read_s: float = dataclasses.field(default=0.0, compare=False)
 
     @property
     def num_groups(self) -> int:
@@ -292,6 +315,102 @@ def _check_task_times(graph: TaskGraph, task_times_ms: Mapping[str, float], what
             "this step with collect_task_times_ms")
 
 
+def _loop_order(split: SplitBody, homes: LoopHomes, schedule: Any, num_local: int,
+                num_replicas: int, num_microbatches: int) -> LoopOrder:
+    """`loop_order`; its CompileError says how many microbatches each replica runs."""
+    try:
+        return loop_order(split, homes, schedule, num_local)
+    except CompileError as e:
+        if num_replicas == 1:
+            raise
+        raise CompileError(f"{e} (each of the {num_replicas} pipeline replicas runs "
+                           f"{num_local} of the loop's {num_microbatches} microbatches)"
+                           ) from e
+
+
+def _key_parts(jaxpr: jex_core.Jaxpr, consts: Sequence[Any], schedule: Any, lo: LoopOrder,
+               num_groups: int, options: _Options, num_replicas: int,
+               replica_dims: Sequence[int | None] | None, defer: bool,
+               mesh: MpmdMesh | None) -> list[str]:
+    """What a step entry's key covers besides the task times and the sends (`Note:
+    program cache` in compiler/program_cache.py): the traced step's text (`Note: step
+    fingerprints`: `step_text` reads the plan's jaxpr and constants only), the
+    schedule and the order it gives the tasks, and the options."""
+    step = fingerprint.step_text(types.SimpleNamespace(step_jaxpr=jaxpr, consts=consts))
+    order = ";".join(" ".join(f"{kind.value}{stage}.{m}" for (kind, stage), m in group)
+                     for group in lo.order)
+    fused = sorted((a[0].value, a[1], b[0].value, b[1]) for a, b in lo.fused.items())
+    where = None if mesh is None else (dict(mesh.jax_mesh.shape), mesh.mpmd_axis_name,
+                                       mesh.group_shape, mesh.replica_axis_name)
+    return [jax.__version__, step, repr(schedule), type(schedule).__qualname__, order,
+            repr(fused), repr((num_groups, options, num_replicas, replica_dims, defer)),
+            repr(where)]
+
+
+def _cached_entry(cache: ProgramCache | None, key: str | None,
+                  exes: Sequence[Mapping[str, Exe]], input_avals: Sequence[Aval]
+                  ) -> tuple[StepEntry | None, float | None]:
+    """The step entry under `key` and the seconds reading it took, or (None, None).
+
+    An entry whose executables or user inputs are not this plan's (a stale or foreign
+    entry that passed its checks) is not used: the plan is built, and its entry
+    replaces it.
+    """
+    if cache is None or key is None:
+        return None, None
+    start = time.perf_counter()
+    entry = cache.load_step(key)
+    if entry is None:
+        return None, None
+    if (entry.program.num_groups != len(exes)
+            or [set(e) for e in entry.exe_avals] != [set(e) for e in exes]
+            or entry.input_avals[:len(input_avals)] != tuple(input_avals)):
+        logger.warning("program cache: ignoring %s (another step's executables or "
+                       "inputs); building again", cache.path(key))
+        return None, None
+    return entry, time.perf_counter() - start
+
+
+def _with_loop_tasks(tasks: Sequence[TaskNode], stand_in: TaskNode,
+                     loop_tasks: Sequence[TaskNode]) -> list[TaskNode]:
+    """A group's tasks with its loop's stand-in replaced by its loop tasks."""
+    k = next(k for k, t in enumerate(tasks) if t is stand_in)
+    return [*tasks[:k], *loop_tasks, *tasks[k + 1:]]
+
+
+def _lowered_entry(
+    nodes: LoopTasks, tasks: Sequence[Sequence[TaskNode]], stand_ins: Sequence[TaskNode],
+    input_avals: Sequence[Aval], avals: dict[Value, Aval], input_owner: Sequence[int | None],
+    outputs: _Outputs, *, what: str, split: SplitBody,
+    task_times_ms: Mapping[str, float] | None, sends: str, cache: ProgramCache | None,
+) -> tuple[StepEntry, bool]:
+    """The task graph, lowered (through `cache`'s program entries), as a step entry.
+
+    Args:
+      nodes: from `loop_task_nodes`.
+      tasks: per group, its tasks with its loop's stand-in (`stand_ins[g]`).
+      input_avals: per flat user input, its aval; avals: every value's, but the loop
+        tasks'.
+      input_owner, outputs: the step's inputs' owners and its outputs.
+      what, split, task_times_ms, sends, cache: as `build_step`'s.
+
+    Returns:
+      The entry, and whether its program came from a program entry.
+    """
+    avals = {**nodes.avals, **avals}  # the values of the loop tasks first, as they make them
+    tasks = [_with_loop_tasks(ts, s, lt) for ts, s, lt in zip(tasks, stand_ins, nodes.tasks)]
+    inputs = _step_inputs(input_owner, input_avals, nodes.mb_values, avals)
+    graph = TaskGraph(len(tasks), tasks, inputs.bindings, outputs.values, avals)
+    if task_times_ms:
+        _check_task_times(graph, task_times_ms, what)
+    try:
+        program, buffer_names, from_cache = lower_cached(graph, task_times_ms, sends, cache)
+    except ValueError as e:  # a failed internal check: a bug of the compiler
+        raise internal_error(what, e, split) from e
+    return StepEntry(program, buffer_names, _exe_avals(tasks, avals), tuple(inputs.avals),
+                     tuple(inputs.owner), tuple(inputs.mb_inputs)), from_cache
+
+
 def build_step(
     fun: Callable,
     args: Sequence[Any],
@@ -406,26 +525,30 @@ def _build_step(
 
     loop_outs, dropped = _loop_outputs(loop, names, loop_homes, n)
     n_local = replicas.local_microbatches(n, num_replicas)
-    try:
-        lt = build_loop_tasks(
-            split, loop_homes, schedule, n_local, params["ops"], params["body"].out_avals,
-            lambda j, g: names.value(loop.invars[j], g), loop_outs,
-            defer=mesh is not None and math.prod(mesh.group_shape.values()) > 1,
-            state_length=n)
-    except CompileError as e:
-        if num_replicas == 1:
-            raise
-        raise CompileError(f"{e} (each of the {num_replicas} pipeline replicas runs "
-                           f"{n_local} of the loop's {n} microbatches)") from e
+    defer = mesh is not None and math.prod(mesh.group_shape.values()) > 1
+    lo = _loop_order(split, loop_homes, schedule, n_local, num_replicas, n)
+
+    def inv_value(j: int, g: int) -> Value:
+        return names.value(loop.invars[j], g)
+
+    lx = loop_exes(lo, split, params["ops"], params["body"].out_avals, inv_value, loop_outs,
+                   defer=defer, state_length=n)
     pre, post = outer_segments(jaxpr, loop_index, homes, names, num_groups)
-    input_avals, avals = _value_avals(jaxpr, num_consts, options, names, lt.avals, dropped)
+    input_avals, avals = _value_avals(jaxpr, num_consts, options, names, lx.state_avals,
+                                      dropped)
     for k, shape in shares.items():  # `Note: replica shares`: each rank holds its share
         input_avals[k] = dataclasses.replace(input_avals[k], shape=shape)
         avals[input_value(k)] = input_avals[k]
     outputs = _step_outputs(jaxpr, names, homes.output_group, options.out_specs, avals)
+    consts = tuple(jax.random.key_data(c) if _has_key(c) else c for c in traced.consts)
 
     # Each group runs its pre segment, its loop tasks, then its post segments by level.
-    orders = [([pre[g]] if pre[g] else []) + lt.tasks[g] + post[g] for g in range(num_groups)]
+    # The segments see of the loop tasks only the group's values they read (no value of
+    # one microbatch is a segment's), so one stand-in task reading those takes their
+    # place until the task graph is built (`_with_loop_tasks`), and a step entry's hit
+    # makes the segments' executables without any loop task node.
+    stand_ins = [TaskNode("loop", g, "loop", lx.reads[g], ()) for g in range(num_groups)]
+    orders = [([pre[g]] if pre[g] else []) + [stand_ins[g]] + post[g] for g in range(num_groups)]
     kept = {v for v, _ in outputs.values}
     step_index = ({input_value(num_consts + k): k for k in range(num_args)},
                   {v: k for v, k in reversed(outputs.values)})
@@ -438,31 +561,39 @@ def _build_step(
         group_tasks, segment_exes = segment_tasks(order, g, names, read, donatable, avals,
                                                   step_index)
         tasks.append(group_tasks)
-        exes.append({**lt.exes[g], **segment_exes})
+        exes.append({**lx.exes[g], **segment_exes})
 
-    inputs = _step_inputs(homes.input_owner, input_avals, lt.mb_values, avals)
-    graph = TaskGraph(num_groups, tasks, inputs.bindings, outputs.values, avals)
-    if task_times_ms:
-        _check_task_times(graph, task_times_ms, what)
-    try:
-        program, buffer_names, from_cache = lower_cached(graph, task_times_ms, sends,
-                                                         program_cache)
-    except ValueError as e:  # a failed internal check: a bug of the compiler
-        raise internal_error(what, e, split) from e
+    key = None
+    if program_cache is not None:
+        key = step_key(_key_parts(jaxpr, consts, schedule, lo, num_groups, options,
+                                  num_replicas, replica_dims, defer, mesh),
+                       task_times_ms, sends)
+    entry, read_s = _cached_entry(program_cache, key, exes, input_avals)
+    from_cache = read_s is not None
+    if entry is None:
+        nodes = loop_task_nodes(lo, split, params["ops"], params["body"].out_avals,
+                                inv_value, loop_outs, defer=defer, state_length=n)
+        entry, from_cache = _lowered_entry(
+            nodes, tasks, stand_ins, input_avals, avals, homes.input_owner, outputs,
+            what=what, split=split, task_times_ms=task_times_ms, sends=sends,
+            cache=program_cache)
+        if key is not None:
+            program_cache.store_step(key, entry)
+    program = entry.program
     if num_replicas > 1:
-        program = replicas.add_reductions(program, buffer_names, loop_outs,
+        program = replicas.add_reductions(program, entry.buffer_names, loop_outs,
                                           loop_homes.out_groups, params["ops"],
                                           replica_bucket_bytes)
     return StepPlan(
         program=program,
-        buffer_names=buffer_names,
+        buffer_names=entry.buffer_names,
         exes=tuple(exes),
-        exe_avals=_exe_avals(tasks, avals),
-        consts=tuple(jax.random.key_data(c) if _has_key(c) else c for c in traced.consts),
+        exe_avals=entry.exe_avals,
+        consts=consts,
         num_args=num_args,
-        input_avals=tuple(inputs.avals),
-        input_owner=tuple(inputs.owner),
-        mb_inputs=tuple(inputs.mb_inputs),
+        input_avals=entry.input_avals,
+        input_owner=entry.input_owner,
+        mb_inputs=entry.mb_inputs,
         outputs=tuple(outputs.descs),
         output_avals=tuple(outputs.avals),
         output_fixed=tuple(spec is not None for spec in options.out_specs),
@@ -475,4 +606,6 @@ def _build_step(
         replica_microbatches=n_local,
         step_jaxpr=jaxpr,
         program_from_cache=from_cache,
+        step_from_cache=read_s is not None,
+        cache_read_s=read_s or 0.0,
     )

@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -69,7 +69,8 @@ from jaxpp_mpi._src.primitives.treduce import Add, Concat, Max, Op
 from jaxpp_mpi._src.schedules.library import BaseSchedule, entry_tasks
 from jaxpp_mpi._src.schedules.tasks import Task, TaskType, task_label
 
-__all__ = ["Exe", "LoopTasks", "build_loop_tasks", "first_from_plain", "identity"]
+__all__ = ["Exe", "LoopExes", "LoopOrder", "LoopTasks", "build_loop_tasks", "first_from_plain",
+           "identity", "loop_exes", "loop_order", "loop_task_nodes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -304,6 +305,284 @@ def _task_fn(task: TaskJaxpr, export: Sequence[int], sources: Sequence[tuple],
     return fn
 
 
+@dataclasses.dataclass
+class LoopOrder:
+    """What the schedule decides of the loop's tasks, as plain data (`loop_order`'s
+    result): no task node, no executable.
+
+    Attributes:
+      order: per group, the (task key, microbatch) of its tasks in run order; a fused
+        pair runs under its forward's key (`Note: back-to-back tasks`).
+      by_key: the task jaxpr of each key that runs (a fused pair's under the forward's).
+      fused: FWD key -> the backward key fused with it.
+      hosted: per key, the body outputs its task reduces (`Note: loop tasks`).
+      read_by_tasks: the body values that a task reads from another task.
+      runs: per key, its microbatches in run order.
+      num_groups: the number of groups.
+      num_microbatches: n.
+    """
+
+    order: list[list[tuple[TaskKey, int]]]
+    by_key: dict[TaskKey, TaskJaxpr]
+    fused: dict[TaskKey, TaskKey]
+    hosted: dict[TaskKey, list[int]]
+    read_by_tasks: set[str]
+    runs: dict[TaskKey, list[int]]
+    num_groups: int
+    num_microbatches: int
+
+
+def loop_order(split: SplitBody, homes: LoopHomes, schedule: BaseSchedule,
+               num_microbatches: int) -> LoopOrder:
+    """The schedule's order of the loop tasks, with back-to-back pairs fused (`Note:
+    back-to-back tasks`) and each body output on its host task (`Note: loop tasks`).
+
+    Args:
+      split: the split body.
+      homes: from `assign_loop_homes`.
+      schedule: the loop's schedule.
+      num_microbatches: n.
+
+    Returns:
+      The LoopOrder.
+
+    Raises:
+      CompileError: the schedule rejects `num_microbatches`, or does not run every
+        task of the split body exactly once on the stage's group.
+    """
+    order = _schedule_order(split, schedule, num_microbatches, homes.stage_group)
+    read_by: dict[str, set[TaskKey]] = {}
+    for t in split.tasks:
+        for ref in t.ins:
+            if ref[0] == "val":
+                read_by.setdefault(ref[1], set()).add(t.key)
+    hosted: dict[TaskKey, list[int]] = {}
+    for k, key in enumerate(homes.host):
+        hosted.setdefault(key, []).append(k)
+    by_key = {t.key: t for t in split.tasks}
+    fused = _back_to_back(by_key, order, read_by, homes.stage_group)
+    for a, b in fused.items():  # Note: back-to-back tasks
+        keep = {name for name in by_key[a].outs if read_by.get(name, set()) - {b}}
+        keep |= {split.body_outputs[k][1] for k in hosted.get(a, [])
+                 if split.body_outputs[k][0] == "val"}
+        by_key[a] = fuse_tasks(by_key[a], by_key.pop(b), keep)
+        hosted[a] = hosted.get(a, []) + hosted.pop(b, [])
+    order = [[(key, m) for key, m in group_order if key not in fused.values()]
+             for group_order in order]
+    read_by_tasks = {ref[1] for t in by_key.values() for ref in t.ins if ref[0] == "val"}
+    runs: dict[TaskKey, list[int]] = {}  # microbatches of each key in execution order
+    for group_order in order:
+        for key, m in group_order:
+            runs.setdefault(key, []).append(m)
+    return LoopOrder(order, by_key, fused, hosted, read_by_tasks, runs,
+                     1 + max(homes.stage_group), num_microbatches)
+
+
+class _KeyPlan(NamedTuple):
+    """What every microbatch's task of one key on one group shares."""
+
+    task: TaskJaxpr
+    hosted: list[int]  # the body outputs it reduces
+    ops: list[Op]  # their ops
+    sources: list[tuple]  # per hosted output: ("out", j), ("arg",) or ("lit", value)
+    extra: list[Value | None]  # per ("arg",) source: the invariant's value, None: the index
+    with_index: bool  # whether the microbatch index is its last plain input
+    export: list[int]  # the task outputs that another task reads
+    adds: list[int]  # the positions among `hosted` of deferrable `Add` states
+    family: str  # e.g. `F1`, `FB3`
+
+    @property
+    def num_ins(self) -> int:
+        """Its inputs before the states: the task's, the extra ones, the index."""
+        return len(self.task.ins) + len(self.extra) + self.with_index
+
+
+def _key_plan(lo: LoopOrder, split: SplitBody, key: TaskKey, group: int,
+              ops: Sequence[Op], inv_value: Callable[[int, int], Value],
+              defer: bool) -> _KeyPlan:
+    """The `_KeyPlan` of `key` on `group`."""
+    task = lo.by_key[key]
+    ks = lo.hosted.get(key, [])
+    sources: list[tuple] = []
+    extra: list[Value | None] = []
+    for k in ks:
+        ref = split.body_outputs[k]
+        if ref[0] == "val":
+            sources.append(("out", task.outs.index(ref[1])))
+        elif ref[0] in ("inv", "mb"):
+            sources.append(("arg",))
+            extra.append(inv_value(ref[1], group) if ref[0] == "inv" else None)
+        else:
+            sources.append(("lit", ref[1]))
+    k_ops = [ops[k] for k in ks]
+    kinds = (key[0], *((lo.fused[key][0],) if key in lo.fused else ()))
+    return _KeyPlan(
+        task, ks, k_ops, sources, extra,
+        any(not isinstance(op, (Add, Max)) for op in k_ops),
+        [j for j, name in enumerate(task.outs) if name in lo.read_by_tasks],
+        [j for j, op in enumerate(k_ops) if isinstance(op, Add)] if defer else [],
+        "".join(kind.value for kind in kinds) + str(key[1]))
+
+
+def _key_plans(lo: LoopOrder, split: SplitBody, ops: Sequence[Op],
+               inv_value: Callable[[int, int], Value], defer: bool
+               ) -> list[dict[TaskKey, _KeyPlan]]:
+    """Per group, the `_KeyPlan` of each key it runs, in order of first run."""
+    return [{key: _key_plan(lo, split, key, g, ops, inv_value, defer)
+             for key in dict.fromkeys(key for key, _ in group_order)}
+            for g, group_order in enumerate(lo.order)]
+
+
+def _variant(plan: _KeyPlan, runs: Sequence[int], m: int) -> tuple[bool, bool, str]:
+    """(first, last, executable name) of microbatch `m`'s task (`Note: loop tasks`)."""
+    first = bool(plan.hosted) and runs[0] == m
+    last = bool(plan.hosted) and runs[-1] == m
+    return first, last, plan.family + (
+        "_first" if first else "_last" if last and plan.adds else "")
+
+
+def _acc_avals(ops: Sequence[Op], out_avals: Sequence, length: int) -> list[Aval]:
+    """Per body output, the aval of its reduction's state."""
+    return [aval_of(op.result_aval(length, a)) for op, a in zip(ops, out_avals)]
+
+
+def _exe(plan: _KeyPlan, first: bool, last: bool, length: int,
+         acc_avals: Sequence[Aval]) -> Exe:
+    """The executable of one variant of a key's task (`Note: loop tasks`)."""
+    ks, num_ins = plan.hosted, plan.num_ins
+    num_states_in = 0 if first or not ks else len(ks)
+    fn = _task_fn(plan.task, plan.export, plan.sources, plan.ops, length, first or not ks,
+                  plan.with_index)
+    fills = _first_fills(plan.ops, [acc_avals[k] for k in ks]) if first and ks else None
+    return Exe(fn, tuple(range(num_ins, num_ins + num_states_in)), plan.family,
+               tuple(None if first else num_ins + j for j in plan.adds),
+               tuple(None if last else len(plan.export) + j for j in plan.adds), fills)
+
+
+@dataclasses.dataclass
+class LoopExes:
+    """The loop's executables and what the code around the loop sees of its tasks
+    (`loop_exes`'s result): nothing per microbatch.
+
+    Attributes:
+      exes: per group, executable name -> Exe, in order of first run.
+      reads: per group, the values of the group (not of a microbatch) its tasks read.
+      state_avals: the aval of each loop output's final state.
+    """
+
+    exes: list[dict[str, Exe]]
+    reads: list[tuple[Value, ...]]
+    state_avals: dict[Value, Aval]
+
+
+def loop_exes(lo: LoopOrder, split: SplitBody, ops: Sequence[Op], out_avals: Sequence,
+              inv_value: Callable[[int, int], Value], out_values: Sequence[Value],
+              defer: bool = False, state_length: int | None = None) -> LoopExes:
+    """Each group's loop executables, without a task node (`Note: loop tasks`).
+
+    Args:
+      lo: from `loop_order`.
+      split, ops, out_avals, inv_value, out_values, defer, state_length: as
+        `build_loop_tasks`'.
+
+    Returns:
+      The LoopExes: the same executables as `build_loop_tasks`', in the same order.
+    """
+    length = lo.num_microbatches if state_length is None else state_length
+    acc_avals = _acc_avals(ops, out_avals, length)
+    plans = _key_plans(lo, split, ops, inv_value, defer)
+    return _loop_exes(lo, plans, acc_avals, length, inv_value, out_values)
+
+
+def _loop_exes(lo: LoopOrder, plans: Sequence[Mapping[TaskKey, _KeyPlan]],
+               acc_avals: Sequence[Aval], length: int,
+               inv_value: Callable[[int, int], Value], out_values: Sequence[Value]
+               ) -> LoopExes:
+    """`loop_exes`, given each group's key plans and the states' avals."""
+    out = LoopExes([], [], {})
+    for g, group_plans in enumerate(plans):
+        exes: dict[str, Exe] = {}
+        for key, m in lo.order[g]:
+            plan = group_plans[key]
+            first, last, name = _variant(plan, lo.runs[key], m)
+            if name not in exes:
+                exes[name] = _exe(plan, first, last, length, acc_avals)
+        reads: dict[Value, None] = {}
+        for plan in group_plans.values():
+            reads.update((v, None) for v in plan.extra if v is not None)
+            reads.update((inv_value(ref[1], g), None) for ref in plan.task.ins
+                         if ref[0] == "inv")
+            out.state_avals.update((out_values[k], acc_avals[k]) for k in plan.hosted)
+        out.exes.append(exes)
+        out.reads.append(tuple(reads))
+    return out
+
+
+def _loop_nodes(lo: LoopOrder, split: SplitBody, plans: Sequence[Mapping[TaskKey, _KeyPlan]],
+                acc_avals: Sequence[Aval], inv_value: Callable[[int, int], Value],
+                out_values: Sequence[Value]) -> LoopTasks:
+    """Every microbatch's task node, the avals of the values they pass and the
+    microbatch indexes they read (`LoopTasks` less its executables)."""
+    n = lo.num_microbatches
+    result = LoopTasks([[] for _ in range(lo.num_groups)], [{} for _ in range(lo.num_groups)],
+                       {}, {})
+    for name, aval in split.value_avals.items():
+        if name in lo.read_by_tasks:  # the others never leave their task's executable
+            value_aval = aval_of(aval)  # the same for every microbatch
+            result.avals.update((f"{name}@{m}", value_aval) for m in range(n))
+
+    def mb_value(m: int, g: int) -> Value:
+        return result.mb_values.setdefault((m, g), f"mb{m}g{g}")
+
+    prev_of = {key: dict(zip(ms[1:], ms[:-1])) for key, ms in lo.runs.items()}
+    for g, group_order in enumerate(lo.order):
+        for key, m in group_order:
+            plan = plans[g][key]
+            kind, stage = key
+            ks = plan.hosted
+            first, last, exe = _variant(plan, lo.runs[key], m)
+            extra_ins = [mb_value(m, g) if v is None else v for v in plan.extra]
+            ins = [mb_value(m, g) if ref[0] == "mb" else inv_value(ref[1], g)
+                   if ref[0] == "inv" else f"{ref[1]}@{m}" for ref in plan.task.ins]
+            ins += extra_ins
+            if plan.with_index:
+                ins.append(mb_value(m, g))
+            prev = prev_of[key][m] if ks and not first else None
+            states_in = [] if first or not ks else [f"acc{k}@{prev}" for k in ks]
+            states_out = [out_values[k] if last else f"acc{k}@{m}" for k in ks]
+            for k, v in zip(ks, states_out):
+                result.avals[v] = acc_avals[k]
+            parts = [Task(stage, m, kind)] + ([Task(stage, m, lo.fused[key][0])]
+                                              if key in lo.fused else [])
+            result.tasks[g].append(TaskNode(
+                task_label(tuple(parts)), g, exe, (*ins, *states_in),
+                (*(f"{plan.task.outs[j]}@{m}" for j in plan.export), *states_out),
+                donate=tuple(states_in),
+            ))
+    for v in result.mb_values.values():
+        result.avals[v] = Aval((), "int32")
+    return result
+
+
+def loop_task_nodes(lo: LoopOrder, split: SplitBody, ops: Sequence[Op], out_avals: Sequence,
+                    inv_value: Callable[[int, int], Value], out_values: Sequence[Value],
+                    defer: bool = False, state_length: int | None = None) -> LoopTasks:
+    """Every microbatch's task node (`Note: loop tasks`): `build_loop_tasks`' result
+    less its executables (`loop_exes` makes those).
+
+    Args:
+      lo: from `loop_order`.
+      split, ops, out_avals, inv_value, out_values, defer, state_length: as
+        `build_loop_tasks`'.
+
+    Returns:
+      The LoopTasks, with no executable.
+    """
+    length = lo.num_microbatches if state_length is None else state_length
+    return _loop_nodes(lo, split, _key_plans(lo, split, ops, inv_value, defer),
+                       _acc_avals(ops, out_avals, length), inv_value, out_values)
+
+
 def build_loop_tasks(
     split: SplitBody,
     homes: LoopHomes,
@@ -316,7 +595,8 @@ def build_loop_tasks(
     defer: bool = False,
     state_length: int | None = None,
 ) -> LoopTasks:
-    """Builds each group's loop tasks (see `Note: loop tasks`).
+    """Builds each group's loop tasks (see `Note: loop tasks`): `loop_order`, then
+    every microbatch's task node, and `loop_exes`'s executables.
 
     Args:
       split: the split body.
@@ -341,96 +621,10 @@ def build_loop_tasks(
       CompileError: the schedule rejects `num_microbatches`, or does not run every
         task of the split body exactly once on the stage's group.
     """
-    n = num_microbatches
-    length = n if state_length is None else state_length
-    num_groups = 1 + max(homes.stage_group)
-    order = _schedule_order(split, schedule, n, homes.stage_group)
-    read_by: dict[str, set[TaskKey]] = {}
-    for t in split.tasks:
-        for ref in t.ins:
-            if ref[0] == "val":
-                read_by.setdefault(ref[1], set()).add(t.key)
-    hosted: dict[TaskKey, list[int]] = {}
-    for k, key in enumerate(homes.host):
-        hosted.setdefault(key, []).append(k)
-    by_key = {t.key: t for t in split.tasks}
-    fused = _back_to_back(by_key, order, read_by, homes.stage_group)
-    for a, b in fused.items():  # Note: back-to-back tasks
-        keep = {name for name in by_key[a].outs if read_by.get(name, set()) - {b}}
-        keep |= {split.body_outputs[k][1] for k in hosted.get(a, [])
-                 if split.body_outputs[k][0] == "val"}
-        by_key[a] = fuse_tasks(by_key[a], by_key.pop(b), keep)
-        hosted[a] = hosted.get(a, []) + hosted.pop(b, [])
-    order = [[(key, m) for key, m in group_order if key not in fused.values()]
-             for group_order in order]
-    read_by_tasks = {ref[1] for t in by_key.values() for ref in t.ins if ref[0] == "val"}
-    result = LoopTasks([[] for _ in range(num_groups)], [{} for _ in range(num_groups)], {}, {})
-    for name, aval in split.value_avals.items():
-        if name in read_by_tasks:  # the others never leave their task's executable
-            value_aval = aval_of(aval)  # the same for every microbatch
-            result.avals.update((f"{name}@{m}", value_aval) for m in range(n))
-    acc_avals = [aval_of(op.result_aval(length, a)) for op, a in zip(ops, out_avals)]
-
-    def mb_value(m: int, g: int) -> Value:
-        return result.mb_values.setdefault((m, g), f"mb{m}g{g}")
-
-    runs: dict[TaskKey, list[int]] = {}  # microbatches of each key in execution order
-    for group_order in order:
-        for key, m in group_order:
-            runs.setdefault(key, []).append(m)
-
-    for g, group_order in enumerate(order):
-        for key, m in group_order:
-            task = by_key[key]
-            kind, stage = key
-            ks = hosted.get(key, [])
-            sources, extra_ins = [], []
-            for k in ks:
-                ref = split.body_outputs[k]
-                if ref[0] == "val":
-                    sources.append(("out", task.outs.index(ref[1])))
-                elif ref[0] == "inv":
-                    sources.append(("arg",))
-                    extra_ins.append(inv_value(ref[1], g))
-                elif ref[0] == "mb":
-                    sources.append(("arg",))
-                    extra_ins.append(mb_value(m, g))
-                else:
-                    sources.append(("lit", ref[1]))
-            k_ops = [ops[k] for k in ks]
-            with_index = any(not isinstance(op, (Add, Max)) for op in k_ops)
-            export = [j for j, name in enumerate(task.outs) if name in read_by_tasks]
-            first = bool(ks) and runs[key][0] == m
-            last = bool(ks) and runs[key][-1] == m
-            adds = [j for j, op in enumerate(k_ops) if isinstance(op, Add)] if defer else []
-            parts = [Task(stage, m, kind)] + ([Task(stage, m, fused[key][0])]
-                                              if key in fused else [])
-            family = "".join(p.type.value for p in parts) + str(stage)
-            exe = family + ("_first" if first else "_last" if last and adds else "")
-            ins = [mb_value(m, g) if ref[0] == "mb" else inv_value(ref[1], g)
-                   if ref[0] == "inv" else f"{ref[1]}@{m}" for ref in task.ins]
-            ins += extra_ins
-            if with_index:
-                ins.append(mb_value(m, g))
-            prev = runs[key][runs[key].index(m) - 1] if ks and not first else None
-            states_in = [] if first or not ks else [f"acc{k}@{prev}" for k in ks]
-            states_out = [out_values[k] if last else f"acc{k}@{m}" for k in ks]
-            for k, v in zip(ks, states_out):
-                result.avals[v] = acc_avals[k]
-            result.tasks[g].append(TaskNode(
-                task_label(tuple(parts)), g, exe, (*ins, *states_in),
-                (*(f"{task.outs[j]}@{m}" for j in export), *states_out),
-                donate=tuple(states_in),
-            ))
-            if exe not in result.exes[g]:
-                fn = _task_fn(task, export, sources, k_ops, length, first or not ks,
-                              with_index)
-                donate = tuple(range(len(ins), len(ins) + len(states_in)))
-                state_ins = tuple(None if first else len(ins) + j for j in adds)
-                state_outs = tuple(None if last else len(export) + j for j in adds)
-                fills = (_first_fills(k_ops, [acc_avals[k] for k in ks])
-                         if first and ks else None)
-                result.exes[g][exe] = Exe(fn, donate, family, state_ins, state_outs, fills)
-    for v in result.mb_values.values():
-        result.avals[v] = Aval((), "int32")
+    lo = loop_order(split, homes, schedule, num_microbatches)
+    length = num_microbatches if state_length is None else state_length
+    acc_avals = _acc_avals(ops, out_avals, length)
+    plans = _key_plans(lo, split, ops, inv_value, defer)
+    result = _loop_nodes(lo, split, plans, acc_avals, inv_value, out_values)
+    result.exes = _loop_exes(lo, plans, acc_avals, length, inv_value, out_values).exes
     return result

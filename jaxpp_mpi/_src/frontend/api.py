@@ -305,10 +305,7 @@ class MpmdFunction:
             logger.info("%s: traced, split and scheduled into %d groups' programs "
                         "(%d instructions) in %.1f s%s", name, plan.num_groups,
                         sum(len(g.instrs) for g in plan.program.groups),
-                        time.perf_counter() - start,
-                        "; program cache hit: lowered and verified before (by an "
-                        "earlier launch, or a rank of this host that got there first)"
-                        if plan.program_from_cache else "")
+                        time.perf_counter() - start, _cache_words(plan))
         return plan
 
     def _agree_on_arguments(self, call: Call | None, key: tuple | None,
@@ -455,6 +452,18 @@ def _runtime_sends(mesh: MpmdMesh) -> str:
     options = config.options()
     return runtime_sends(platform, options.posted_sends,
                          config.stages_messages(options, platform))
+
+
+def _cache_words(plan: StepPlan) -> str:
+    """What the program cache spared a plan, for the log (`Note: program cache`)."""
+    if plan.step_from_cache:
+        return (f"; program cache hit: loop tasks, task graph, lowering and verification "
+                f"skipped (the step's entry read in {plan.cache_read_s:.2f} s; an earlier "
+                "launch, or a rank of this host that got there first, built it)")
+    if plan.program_from_cache:
+        return ("; program cache hit: lowering and verification skipped (the same task "
+                "graph was lowered before)")
+    return ""
 
 
 def _program_cache() -> ProgramCache | None:

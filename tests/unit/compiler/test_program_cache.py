@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import multiprocessing
 import os
@@ -16,7 +17,17 @@ from jaxpp_mpi._src.compiler.build import build_step
 from jaxpp_mpi._src.compiler.lower import build_program_with_names
 from jaxpp_mpi._src.compiler.program_cache import ProgramCache, graph_key, lower_cached
 from jaxpp_mpi._src.compiler.task_graph import TaskGraph, TaskNode
-from jaxpp_mpi._src.ir.program import Aval
+from jaxpp_mpi._src.ir.program import (
+    AllReduce,
+    Aval,
+    Free,
+    GroupProgram,
+    Program,
+    Recv,
+    Run,
+    Send,
+    SendRecv,
+)
 from jaxpp_mpi.schedules import Interleaved1F1B, Std1F1B
 
 ACT = Aval((4, 8), "float32")
@@ -166,3 +177,57 @@ def test_step_plan_from_the_cache_equals_a_fresh_one(tmp_path, schedule, groups)
 def test_source_digest_is_stable():
     assert program_cache.source_digest() == program_cache.source_digest()
     assert len(program_cache.source_digest()) == 64
+
+
+def every_instruction_program() -> Program:
+    """Two groups using every instruction type, specs and an empty task label."""
+    a, b = Aval((4, 8), "float32", ("data",)), Aval((), "int32")
+    g0 = GroupProgram(0, {0: 0, 1: 2}, [
+        Run("f0", (0, 1), (2, 3), "F0s0", donate=(1,)),
+        Send(2, 1, 0),
+        SendRecv(3, 1, 1, 4, 1, 0, a),
+        AllReduce((4,), "max"),
+        Free((0, 2, 3)),
+    ], {4: 0}, {0: a, 1: b, 2: a, 3: a, 4: a})
+    g1 = GroupProgram(1, (), [
+        Recv(0, 0, 0, a),
+        Recv(2, 0, 1, a),
+        Run("post", (0, 2), (3,)),
+        Free((0, 2)),
+    ], {3: 1}, {0: a, 2: a, 3: Aval((2,), "bfloat16", ((("data", "model")),))})
+    return Program((g0, g1))
+
+
+def test_compact_form_round_trips_every_instruction():
+    program = every_instruction_program()
+    names = ({0: "in0", 1: "in2"}, {3: "x"})
+    data = program_cache._encode("k", program, names)
+    back, back_names, plan, _ = program_cache._decode(data, "k")
+    assert back == program and str(back) == str(program) and back_names == names
+    assert plan is None
+
+
+def _rechecksummed(line: bytes, body: bytes) -> bytes:
+    header = json.loads(line)
+    header.update(sha256=hashlib.sha256(body).hexdigest(), length=len(body))
+    return json.dumps(header).encode() + b"\n" + body
+
+
+@pytest.mark.parametrize("edit", [
+    lambda doc: doc["program"]["groups"][0][3].append([9, 1]),
+    lambda doc: doc["program"]["groups"][0][3].append([1, 2]),
+    lambda doc: doc["program"]["groups"][0][3][0].__setitem__(2, ["%0"]),
+    lambda doc: doc["program"]["words"].__setitem__(0, "two words"),
+    lambda doc: doc.__setitem__("avals", ["float32[x]"]),
+    lambda doc: doc["program"].pop("groups"),
+], ids=["code", "fields", "buffer", "name", "aval", "missing"])
+def test_malformed_body_with_a_good_checksum_is_ignored(tmp_path, edit):
+    cache = ProgramCache(str(tmp_path))
+    cache.store("k", every_instruction_program(), ({}, {}))
+    with open(cache.path("k"), "rb") as f:
+        line, _, body = f.read().partition(b"\n")
+    doc = json.loads(body)
+    edit(doc)
+    with open(cache.path("k"), "wb") as f:
+        f.write(_rechecksummed(line, json.dumps(doc).encode()))
+    assert cache.load("k") is None
