@@ -266,7 +266,7 @@ def schedule_makespan(sched, n: int, task_ms: dict[str, float], message_ms: floa
     BWD_I), an input from another group `message_ms` after it was made. A task the
     compiler emits no Run for (BWD_I of the first stage) takes 0. A task the compiler
     runs fused with the next one (`F7s1+B7s1`, `Note: back-to-back tasks` in
-    compiler/loop_tasks.py) puts the whole time on its first part: the parts run back to
+    compiler/loop_order.py) puts the whole time on its first part: the parts run back to
     back on one group and nothing but the second reads the first. This is what the
     schedule promises with these task times; the lowered program's prediction
     (`simulate`) can only be later where the program waits where the schedule does not.

@@ -142,7 +142,7 @@ def main() -> None:
                     "args": random_arrays(ins, seed=k),
                     "donated": tuple(exe.donate_argnums),
                     # a family is its kinds and its stage: 'B1', or 'FB1' for a fused
-                    # pair (`Note: back-to-back tasks` in compiler/loop_tasks.py)
+                    # pair (`Note: back-to-back tasks` in compiler/loop_order.py)
                     "stage": int(exe.family.lstrip("FBIW")),
                     "kind": exe.family.rstrip("0123456789"),
                     "runs": runs.count(ename),

@@ -33,14 +33,8 @@ from jaxpp_mpi._src.compiler import fingerprint, replicas
 from jaxpp_mpi._src.compiler.homes import LoopHomes, assign_loop_homes, assign_outer_homes
 from jaxpp_mpi._src.compiler.internal_errors import internal_error
 from jaxpp_mpi._src.compiler.keys import aval_of, is_key, key_impl
-from jaxpp_mpi._src.compiler.loop_tasks import (
-    Exe,
-    LoopOrder,
-    LoopTasks,
-    loop_exes,
-    loop_order,
-    loop_task_nodes,
-)
+from jaxpp_mpi._src.compiler.loop_order import LoopOrder, loop_order
+from jaxpp_mpi._src.compiler.loop_tasks import Exe, LoopTasks, loop_exes, loop_task_nodes
 from jaxpp_mpi._src.compiler.outer import OuterNames, input_value, outer_segments
 from jaxpp_mpi._src.compiler.program_cache import (
     ProgramCache,
@@ -328,21 +322,32 @@ def _loop_order(split: SplitBody, homes: LoopHomes, schedule: Any, num_local: in
                            ) from e
 
 
-def _key_parts(jaxpr: jex_core.Jaxpr, consts: Sequence[Any], schedule: Any, lo: LoopOrder,
-               num_groups: int, options: _Options, num_replicas: int,
-               replica_dims: Sequence[int | None] | None, defer: bool,
+def _split_text(split: SplitBody) -> str:
+    """What the split decided, as the loop tasks see it: each stage task's inputs and
+    exported values with their avals (which residuals cross, which are recomputed), and
+    what each body output is."""
+    avals = split.value_avals
+    tasks = [(t.key[0].value, t.key[1], t.ins, [(v, str(avals[v])) for v in t.outs])
+             for t in split.tasks]
+    return repr((split.num_stages, tasks, split.body_outputs))
+
+
+def _key_parts(jaxpr: jex_core.Jaxpr, consts: Sequence[Any], split: SplitBody,
+               schedule: Any, lo: LoopOrder, num_groups: int, options: _Options,
+               num_replicas: int, replica_dims: Sequence[int | None] | None, defer: bool,
                mesh: MpmdMesh | None) -> list[str]:
     """What a step entry's key covers besides the task times and the sends (`Note:
     program cache` in compiler/program_cache.py): the traced step's text (`Note: step
-    fingerprints`: `step_text` reads the plan's jaxpr and constants only), the
-    schedule and the order it gives the tasks, and the options."""
+    fingerprints`: `step_text` reads the plan's jaxpr and constants only), the split's
+    stage tasks, the schedule and the order it gives the tasks, and the options."""
     step = fingerprint.step_text(types.SimpleNamespace(step_jaxpr=jaxpr, consts=consts))
     order = ";".join(" ".join(f"{kind.value}{stage}.{m}" for (kind, stage), m in group)
                      for group in lo.order)
     fused = sorted((a[0].value, a[1], b[0].value, b[1]) for a, b in lo.fused.items())
     where = None if mesh is None else (dict(mesh.jax_mesh.shape), mesh.mpmd_axis_name,
                                        mesh.group_shape, mesh.replica_axis_name)
-    return [jax.__version__, step, repr(schedule), type(schedule).__qualname__, order,
+    return [jax.__version__, step, _split_text(split), repr(schedule),
+            type(schedule).__qualname__, order,
             repr(fused), repr((num_groups, options, num_replicas, replica_dims, defer)),
             repr(where)]
 
@@ -565,7 +570,7 @@ def _build_step(
 
     key = None
     if program_cache is not None:
-        key = step_key(_key_parts(jaxpr, consts, schedule, lo, num_groups, options,
+        key = step_key(_key_parts(jaxpr, consts, split, schedule, lo, num_groups, options,
                                   num_replicas, replica_dims, defer, mesh),
                        task_times_ms, sends)
     entry, read_s = _cached_entry(program_cache, key, exes, input_avals)

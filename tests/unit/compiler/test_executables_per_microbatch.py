@@ -4,7 +4,7 @@ On a GPU every executable call costs a fixed host time, so this count is part of
 a schedule costs. Each case builds the plan of `tests/models.py`'s MLP training step
 (one layer per stage) with `build_step` (no devices) and compares
 `executables_per_microbatch` of its program with the table below. A change in which
-tasks run as one executable (`Note: back-to-back tasks` in compiler/loop_tasks.py, the
+tasks run as one executable (`Note: back-to-back tasks` in compiler/loop_order.py, the
 split of a backward) therefore fails here, and the table shows what changed.
 
 How the table follows from the schedules:
