@@ -33,9 +33,15 @@ if "--with-mpi" not in sys.argv and _FLAG not in os.environ.get("XLA_FLAGS", "")
 # the same fusions, FLOPs and layouts), not LLVM's code, and -O0 takes about 40% less
 # compile CPU (a transformer parity test and tests/local/test_back_to_back.py: 81 s -> 47 s
 # of CPU). `make example` runs at XLA's default level. A level already in XLA_FLAGS wins.
-_OPT = "--xla_backend_optimization_level"
-if _OPT not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" {_OPT}=0").strip()
+# For the same reason the tests' fusions are emitted by XLA's CPU elemental emitter rather
+# than its MLIR fusion emitters, which compile slower; the tests and the jax.jit they
+# compare with compile alike (a transformer parity test 14-18 -> 9-10 s of CPU;
+# tests/local/test_back_to_back.py, test_group_sharding.py and test_planner.py from a
+# cold cache 140 -> 96 s). Flags already in XLA_FLAGS win.
+_FLAGS = {"--xla_backend_optimization_level": "0", "--xla_cpu_use_fusion_emitters": "false"}
+for _flag, _value in _FLAGS.items():
+    if _flag not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" {_flag}={_value}").strip()
 
 
 # Compiled XLA executables are cached on disk for the test session (keyed by the HLO's
