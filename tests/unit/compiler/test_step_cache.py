@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import jaxpp_mpi as jp
-from jaxpp_mpi._src.compiler import build
+from jaxpp_mpi._src.compiler import build, split
 from jaxpp_mpi._src.compiler.build import StepPlan, build_step
 from jaxpp_mpi._src.compiler.program_cache import ProgramCache
 from jaxpp_mpi._src.frontend import api
@@ -163,3 +163,23 @@ def test_damaged_or_foreign_step_entry_is_rebuilt(tmp_path, damage):
     with open(path, "rb") as f:
         assert f.read() == good  # the rebuilt entry replaced the damaged one
     assert build_step(*_problem(schedule), 2, mesh=mesh, program_cache=cache).step_from_cache
+
+
+def test_another_split_of_the_same_step_is_another_entry(tmp_path, monkeypatch):
+    """The key covers what the split decided: with its residuals recomputed or not
+    (`Note: recomputed residuals` in compiler/recompute.py), one step has two task graphs
+    of other executables, and neither reads the other's entry."""
+    mesh = jp.MpmdMesh(jax.make_mesh((2, 1), ("stage", "data")), "stage")
+    schedule = Std1F1B(2)
+    cache = ProgramCache(str(tmp_path))
+    params, batch, loss_fn = models.transformer(schedule.num_stages, 4)
+    step, optimizer = models.make_step(loss_fn, schedule)
+    args = (optimizer.init(params), params, batch)
+    recomputed = build_step(step, args, 2, mesh=mesh, program_cache=cache)
+    monkeypatch.setattr(split, "recompute_residuals",
+                        lambda eqns, where: [set() for _ in eqns])
+    fresh = build_step(step, args, 2, mesh=mesh)
+    kept = build_step(step, args, 2, mesh=mesh, program_cache=cache)
+    assert not kept.step_from_cache
+    assert plan_fields(kept) == plan_fields(fresh) != plan_fields(recomputed)
+    assert build_step(step, args, 2, mesh=mesh, program_cache=cache).step_from_cache
