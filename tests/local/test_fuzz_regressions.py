@@ -28,6 +28,13 @@ FOUND = {
         schedule="dualpipev", microbatches=4, layers=("dense", "gelu", "norm", "norm", "gelu"),
         marks=(0, 0, 2, 2), cast="step", shared=((3, 2),), constant=True, dropout=(0, 3),
         optimizer="momentum", loss="xent"),
+    # Adam's step count, donated by the first group's pre segment and read by the second
+    # group's update, under DualPipeV: a lazy timed walk ran the donating task while the
+    # idle peer had not taken the count, then sent the donated buffer ("KeyError: 'in10'"
+    # in compiler/walks.py; a donated value owed to an idle peer now goes first).
+    "donated_input_owed_to_an_idle_peer": Program(
+        schedule="dualpipev", microbatches=4, layers=("dense",) * 5, marks=(0, 0, 5, 5),
+        cast="step", recompute=False, optimizer="adam", donate=True),
 }
 
 

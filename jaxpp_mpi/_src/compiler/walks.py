@@ -422,6 +422,12 @@ class TimedWalk(RoundWalk):
             if wait:
                 self.time[g] = min(wait)
                 return True
+            # A donated value owed to an idle peer that did not take it yet (`_takes_now`)
+            # goes now, before its task consumes it.
+            donated = [m for m in pending if m.src == g and m.value in task.donate]
+            if donated:
+                self._deliver_timed(donated)
+                return True
             self._run_task(g)
             self.available.update(task.outs)
             for v in task.outs:
