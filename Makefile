@@ -35,7 +35,8 @@ install:
 # The single-process tests run side by side with the jobs' tests and then the mpirun runs
 # (each stream's output printed whole when it ends): the jobs end first, and the mpirun runs
 # take up the cores the single-process tests' last minutes leave. From a fresh clone on the
-# 2-core machine, the single-process tests and the jobs side by side: 8:57 and 7:18.
+# 2-core machine: `make test` 14:38 (the jobs 7:34, then the mpirun runs ~7:00; the
+# single-process tests 10:30 beside them; side by side with the jobs alone, 8:57).
 test: lint
 	$(MAKE) --no-print-directory -j2 --output-sync=target test-unit test-jobs-mpi
 
