@@ -11,7 +11,9 @@ a hang, and fails the test.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -25,14 +27,58 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = "tests/jobs/harness/mesh_faults.py"
 LIMIT_S = 60  # every fault here ends its job far sooner
 LAUNCHERS = ("mpirun", "jpprun")
+OPEN_MPI_ABORT = "MPI_ABORT was invoked"  # Open MPI: a rank called MPI_Abort
 DIFFERENT = "ValueError: make_mpmd_mesh was called with different arguments on different ranks:"
 # Variables of this process that would change what the jobs do.
 _INHERITED = ("JAXPP_MPI_ABORT_ON_EXCEPTION", "JAXPP_MPI_DEADLINE", "JAXPP_MPI_STEP_TIMEOUT",
               "JAXPP_MPI_WATCHDOG_GRACE")
 
 
+def _descendants(pid: int) -> list[int]:
+    """The processes below `pid` (Open MPI's launcher gives each rank a session of its
+    own, so a signal to the launcher's group misses them)."""
+    children: dict[int, list[int]] = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
+
+
+def _attempt(argv: list[str], env: dict[str, str]) -> tuple[int | None, str]:
+    """One run of `argv`: (status, output), status None when it ran past LIMIT_S (then
+    the launcher and every process below it are killed)."""
+    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=LIMIT_S)
+        return proc.returncode, (out + err).decode(errors="replace")
+    except subprocess.TimeoutExpired:
+        for pid in (proc.pid, *_descendants(proc.pid)):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        return None, (out + err).decode(errors="replace")
+
+
 def run_job(launch: str, ranks: int, fault: str, **env: str) -> tuple[int, str]:
-    """Runs the harness with `fault` on `ranks` ranks under `launch`: (status, output)."""
+    """Runs the harness with `fault` on `ranks` ranks under `launch`: (status, output).
+
+    A plain mpirun that outlives LIMIT_S after a rank's `MPI_Abort` (Open MPI's
+    `MPI_ABORT was invoked` is in its output: the ranks did their part) is Open MPI's
+    launcher failing its own teardown, not a jaxpp_mpi hang: prterun 5.0 does so
+    rarely (here it once hung past 60 s, and it ended by SIGSEGV in 2 of 150
+    runs of `raise-with-the-hook-off`), and jpprun ends it (`Note: Watching the
+    launcher`). Such a job runs once more; any other overrun is a hang and fails.
+    """
     if launch == "jpprun":
         prefix = [str(ROOT / "launch" / "jpprun"), "-n", str(ranks)]
     else:
@@ -40,12 +86,15 @@ def run_job(launch: str, ranks: int, fault: str, **env: str) -> tuple[int, str]:
                                             is_root=os.geteuid() == 0,
                                             cores=launcher.usable_cores())
     full_env = {k: v for k, v in job_env(**env).items() if k not in _INHERITED or k in env}
-    try:
-        proc = subprocess.run([*prefix, sys.executable, SCRIPT, fault], cwd=ROOT,
-                              env=full_env, capture_output=True, timeout=LIMIT_S)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"{launch} -n {ranks} {fault}: the job hung for {LIMIT_S} s")
-    return proc.returncode, (proc.stdout + proc.stderr).decode(errors="replace")
+    argv = [*prefix, sys.executable, SCRIPT, fault]
+    status, out = _attempt(argv, full_env)
+    if status is None and launch == "mpirun" and OPEN_MPI_ABORT in out:
+        print(f"mpirun -n {ranks} {fault}: Open MPI's launcher still ran {LIMIT_S} s after "
+              f"its start, past a rank's MPI_Abort; once more. Its output:\n{out}")
+        status, out = _attempt(argv, full_env)
+    if status is None:
+        pytest.fail(f"{launch} -n {ranks} {fault}: the job hung for {LIMIT_S} s:\n{out}")
+    return status, out
 
 
 @pytest.mark.parametrize("launch", LAUNCHERS)
