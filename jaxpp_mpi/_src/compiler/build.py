@@ -19,8 +19,6 @@ import functools
 import gc
 import logging
 import math
-import time
-import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -29,22 +27,17 @@ from jax.extend import core as jex_core
 
 from jaxpp_mpi._src.base.errors import CompileError
 from jaxpp_mpi._src.base.types import Spec
-from jaxpp_mpi._src.compiler import fingerprint, replicas
+from jaxpp_mpi._src.compiler import replicas
 from jaxpp_mpi._src.compiler.homes import LoopHomes, assign_loop_homes, assign_outer_homes
-from jaxpp_mpi._src.compiler.internal_errors import internal_error
 from jaxpp_mpi._src.compiler.keys import aval_of, is_key, key_impl
 from jaxpp_mpi._src.compiler.loop_order import LoopOrder, loop_order
-from jaxpp_mpi._src.compiler.loop_tasks import Exe, LoopTasks, loop_exes, loop_task_nodes
+from jaxpp_mpi._src.compiler.loop_tasks import Exe, loop_exes, loop_task_nodes
 from jaxpp_mpi._src.compiler.outer import OuterNames, input_value, outer_segments
-from jaxpp_mpi._src.compiler.program_cache import (
-    ProgramCache,
-    StepEntry,
-    lower_cached,
-    step_key,
-)
+from jaxpp_mpi._src.compiler.program_cache import ExeAvals, ProgramCache, step_key
 from jaxpp_mpi._src.compiler.segment_tasks import segment_tasks
 from jaxpp_mpi._src.compiler.split import SplitBody, split_body
-from jaxpp_mpi._src.compiler.task_graph import TaskGraph, TaskNode, Value
+from jaxpp_mpi._src.compiler.step_entry import cached_entry, key_parts, lowered_entry
+from jaxpp_mpi._src.compiler.task_graph import TaskNode, Value
 from jaxpp_mpi._src.compiler.trace_step import trace_step
 from jaxpp_mpi._src.ir.program import Aval, Program
 
@@ -54,8 +47,6 @@ if TYPE_CHECKING:
 __all__ = ["StepPlan", "build_step"]
 
 logger = logging.getLogger("jaxpp_mpi")
-
-ExeAvals = tuple[tuple[Aval, ...], tuple[Aval, ...]]  # an executable's (input, output) avals
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,15 +134,6 @@ class _Outputs(NamedTuple):
     descs: list[tuple]  # per flat result: ("val", group) or ("lit", value)
     values: list[tuple[Value, int]]  # (value, flat result index) of each "val" result
     avals: list[Aval]  # per flat result
-
-
-class _Inputs(NamedTuple):
-    """The step's inputs: user inputs on their owners, then microbatch indexes."""
-
-    bindings: list[tuple[Value, int, int]]  # (value, owner group, flat input index)
-    avals: list[Aval]  # per flat input
-    owner: list[int | None]  # per flat input
-    mb_inputs: list[tuple[int, int, int]]  # (flat input index, group, microbatch)
 
 
 def _has_key(x: Any) -> bool:
@@ -269,46 +251,6 @@ def _step_outputs(
     return out
 
 
-def _step_inputs(
-    input_owner: Sequence[int | None], input_avals: Sequence[Aval],
-    mb_values: dict[tuple[int, int], Value], avals: dict[Value, Aval],
-) -> _Inputs:
-    """Binds the step's inputs: constants and arguments on their owners, then one
-    microbatch index per (microbatch, group) that a task reads, by group."""
-    bindings = [(input_value(k), g, k) for k, g in enumerate(input_owner) if g is not None]
-    out = _Inputs(bindings, list(input_avals), list(input_owner), [])
-    for (m, g), v in sorted(mb_values.items(), key=lambda x: (x[0][1], x[0][0])):
-        k = len(out.avals)
-        out.bindings.append((v, g, k))
-        out.avals.append(avals[v])
-        out.owner.append(g)
-        out.mb_inputs.append((k, g, m))
-    return out
-
-
-def _exe_avals(tasks: Sequence[Sequence[TaskNode]], avals: dict[Value, Aval]
-               ) -> tuple[dict[str, ExeAvals], ...]:
-    """Per group, executable name -> (input avals, output avals) of its first run."""
-    out: list[dict[str, ExeAvals]] = [{} for _ in tasks]
-    for g, group_tasks in enumerate(tasks):
-        for t in group_tasks:
-            out[g].setdefault(
-                t.exe, (tuple(avals[v] for v in t.ins), tuple(avals[v] for v in t.outs)))
-    return tuple(out)
-
-
-def _check_task_times(graph: TaskGraph, task_times_ms: Mapping[str, float], what: str) -> None:
-    """Refuses measured task times that name none of the step's tasks (times of another
-    step or schedule would otherwise silently order this one by their kind means)."""
-    labels = {part for ts in graph.tasks for t in ts for part in (t.name, *t.name.split("+"))}
-    if not labels & set(task_times_ms):
-        mine = sorted(label for label in labels if label[:1] in "FBIW")[:4]
-        raise CompileError(
-            f"{what}: task_times_ms names none of its tasks (it has {', '.join(mine)}, ...; "
-            f"got {', '.join(sorted(task_times_ms)[:4])}, ...): pass times collected from "
-            "this step with collect_task_times_ms")
-
-
 def _loop_order(split: SplitBody, homes: LoopHomes, schedule: Any, num_local: int,
                 num_replicas: int, num_microbatches: int) -> LoopOrder:
     """`loop_order`; its CompileError says how many microbatches each replica runs."""
@@ -320,100 +262,6 @@ def _loop_order(split: SplitBody, homes: LoopHomes, schedule: Any, num_local: in
         raise CompileError(f"{e} (each of the {num_replicas} pipeline replicas runs "
                            f"{num_local} of the loop's {num_microbatches} microbatches)"
                            ) from e
-
-
-def _split_text(split: SplitBody) -> str:
-    """What the split decided, as the loop tasks see it: each stage task's inputs and
-    exported values with their avals (which residuals cross, which are recomputed), and
-    what each body output is."""
-    avals = split.value_avals
-    tasks = [(t.key[0].value, t.key[1], t.ins, [(v, str(avals[v])) for v in t.outs])
-             for t in split.tasks]
-    return repr((split.num_stages, tasks, split.body_outputs))
-
-
-def _key_parts(jaxpr: jex_core.Jaxpr, consts: Sequence[Any], split: SplitBody,
-               schedule: Any, lo: LoopOrder, num_groups: int, options: _Options,
-               num_replicas: int, replica_dims: Sequence[int | None] | None, defer: bool,
-               mesh: MpmdMesh | None) -> list[str]:
-    """What a step entry's key covers besides the task times and the sends (`Note:
-    program cache` in compiler/program_cache.py): the traced step's text (`Note: step
-    fingerprints`: `step_text` reads the plan's jaxpr and constants only), the split's
-    stage tasks, the schedule and the order it gives the tasks, and the options."""
-    step = fingerprint.step_text(types.SimpleNamespace(step_jaxpr=jaxpr, consts=consts))
-    order = ";".join(" ".join(f"{kind.value}{stage}.{m}" for (kind, stage), m in group)
-                     for group in lo.order)
-    fused = sorted((a[0].value, a[1], b[0].value, b[1]) for a, b in lo.fused.items())
-    where = None if mesh is None else (dict(mesh.jax_mesh.shape), mesh.mpmd_axis_name,
-                                       mesh.group_shape, mesh.replica_axis_name)
-    return [jax.__version__, step, _split_text(split), repr(schedule),
-            type(schedule).__qualname__, order,
-            repr(fused), repr((num_groups, options, num_replicas, replica_dims, defer)),
-            repr(where)]
-
-
-def _cached_entry(cache: ProgramCache | None, key: str | None,
-                  exes: Sequence[Mapping[str, Exe]], input_avals: Sequence[Aval]
-                  ) -> tuple[StepEntry | None, float | None]:
-    """The step entry under `key` and the seconds reading it took, or (None, None).
-
-    An entry whose executables or user inputs are not this plan's (a stale or foreign
-    entry that passed its checks) is not used: the plan is built, and its entry
-    replaces it.
-    """
-    if cache is None or key is None:
-        return None, None
-    start = time.perf_counter()
-    entry = cache.load_step(key)
-    if entry is None:
-        return None, None
-    if (entry.program.num_groups != len(exes)
-            or [set(e) for e in entry.exe_avals] != [set(e) for e in exes]
-            or entry.input_avals[:len(input_avals)] != tuple(input_avals)):
-        logger.warning("program cache: ignoring %s (another step's executables or "
-                       "inputs); building again", cache.path(key))
-        return None, None
-    return entry, time.perf_counter() - start
-
-
-def _with_loop_tasks(tasks: Sequence[TaskNode], stand_in: TaskNode,
-                     loop_tasks: Sequence[TaskNode]) -> list[TaskNode]:
-    """A group's tasks with its loop's stand-in replaced by its loop tasks."""
-    k = next(k for k, t in enumerate(tasks) if t is stand_in)
-    return [*tasks[:k], *loop_tasks, *tasks[k + 1:]]
-
-
-def _lowered_entry(
-    nodes: LoopTasks, tasks: Sequence[Sequence[TaskNode]], stand_ins: Sequence[TaskNode],
-    input_avals: Sequence[Aval], avals: dict[Value, Aval], input_owner: Sequence[int | None],
-    outputs: _Outputs, *, what: str, split: SplitBody,
-    task_times_ms: Mapping[str, float] | None, sends: str, cache: ProgramCache | None,
-) -> tuple[StepEntry, bool]:
-    """The task graph, lowered (through `cache`'s program entries), as a step entry.
-
-    Args:
-      nodes: from `loop_task_nodes`.
-      tasks: per group, its tasks with its loop's stand-in (`stand_ins[g]`).
-      input_avals: per flat user input, its aval; avals: every value's, but the loop
-        tasks'.
-      input_owner, outputs: the step's inputs' owners and its outputs.
-      what, split, task_times_ms, sends, cache: as `build_step`'s.
-
-    Returns:
-      The entry, and whether its program came from a program entry.
-    """
-    avals = {**nodes.avals, **avals}  # the values of the loop tasks first, as they make them
-    tasks = [_with_loop_tasks(ts, s, lt) for ts, s, lt in zip(tasks, stand_ins, nodes.tasks)]
-    inputs = _step_inputs(input_owner, input_avals, nodes.mb_values, avals)
-    graph = TaskGraph(len(tasks), tasks, inputs.bindings, outputs.values, avals)
-    if task_times_ms:
-        _check_task_times(graph, task_times_ms, what)
-    try:
-        program, buffer_names, from_cache = lower_cached(graph, task_times_ms, sends, cache)
-    except ValueError as e:  # a failed internal check: a bug of the compiler
-        raise internal_error(what, e, split) from e
-    return StepEntry(program, buffer_names, _exe_avals(tasks, avals), tuple(inputs.avals),
-                     tuple(inputs.owner), tuple(inputs.mb_inputs)), from_cache
 
 
 def build_step(
@@ -550,7 +398,7 @@ def _build_step(
     # Each group runs its pre segment, its loop tasks, then its post segments by level.
     # The segments see of the loop tasks only the group's values they read (no value of
     # one microbatch is a segment's), so one stand-in task reading those takes their
-    # place until the task graph is built (`_with_loop_tasks`), and a step entry's hit
+    # place until the task graph is built (`with_loop_tasks`), and a step entry's hit
     # makes the segments' executables without any loop task node.
     stand_ins = [TaskNode("loop", g, "loop", lx.reads[g], ()) for g in range(num_groups)]
     orders = [([pre[g]] if pre[g] else []) + [stand_ins[g]] + post[g] for g in range(num_groups)]
@@ -570,16 +418,16 @@ def _build_step(
 
     key = None
     if program_cache is not None:
-        key = step_key(_key_parts(jaxpr, consts, split, schedule, lo, num_groups, options,
+        key = step_key(key_parts(jaxpr, consts, split, schedule, lo, num_groups, options,
                                   num_replicas, replica_dims, defer, mesh),
                        task_times_ms, sends)
-    entry, read_s = _cached_entry(program_cache, key, exes, input_avals)
+    entry, read_s = cached_entry(program_cache, key, exes, input_avals)
     from_cache = read_s is not None
     if entry is None:
         nodes = loop_task_nodes(lo, split, params["ops"], params["body"].out_avals,
                                 inv_value, loop_outs, defer=defer, state_length=n)
-        entry, from_cache = _lowered_entry(
-            nodes, tasks, stand_ins, input_avals, avals, homes.input_owner, outputs,
+        entry, from_cache = lowered_entry(
+            nodes, tasks, stand_ins, input_avals, avals, homes.input_owner, outputs.values,
             what=what, split=split, task_times_ms=task_times_ms, sends=sends,
             cache=program_cache)
         if key is not None:

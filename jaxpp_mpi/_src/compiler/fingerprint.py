@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -28,7 +29,7 @@ import numpy as np
 if TYPE_CHECKING:
     from jaxpp_mpi._src.compiler.build import StepPlan
 
-__all__ = ["STEP", "step_text", "step_texts"]
+__all__ = ["STEP", "jaxpr_text", "step_text", "step_texts"]
 
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
@@ -48,15 +49,21 @@ def _const_text(c: Any) -> str:
     return f"{value.dtype.name}{list(value.shape)} sha256:{digest}"
 
 
+def jaxpr_text(jaxpr: Any, consts: Sequence[Any]) -> str:
+    """A traced step as process-independent text (`Note: step fingerprints`): `jaxpr`
+    printed without addresses, then one line per constant (the jaxpr's first inputs)."""
+    body = _ADDRESS.sub("", str(jaxpr))
+    return body + "".join(f"\nconst {k}: {_const_text(c)}" for k, c in enumerate(consts))
+
+
 def step_text(plan: StepPlan) -> str:
-    """The traced step of `plan` as process-independent text (`Note: step
-    fingerprints`): its jaxpr, then one line per constant (the jaxpr's first inputs).
+    """The traced step of `plan` as process-independent text (`jaxpr_text` of its jaxpr
+    and constants).
 
     Args:
       plan: the step plan (`build_step`'s).
     """
-    body = _ADDRESS.sub("", str(plan.step_jaxpr))
-    return body + "".join(f"\nconst {k}: {_const_text(c)}" for k, c in enumerate(plan.consts))
+    return jaxpr_text(plan.step_jaxpr, plan.consts)
 
 
 def step_texts(plan: StepPlan) -> dict[str, str]:

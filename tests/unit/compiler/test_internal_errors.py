@@ -14,7 +14,7 @@ import pytest
 
 import jaxpp_mpi
 from jaxpp_mpi._src.base.errors import CompileError
-from jaxpp_mpi._src.compiler import build
+from jaxpp_mpi._src.compiler import build, step_entry
 
 
 def _loss(params, mb):
@@ -58,7 +58,7 @@ def test_an_internal_error_names_step_stage_line_and_how_to_report(monkeypatch):
     def broken_lowering(graph, *args, **kwargs):
         raise ValueError(f"task B0s1 on group 1: input '{value}@0' is never produced")
 
-    monkeypatch.setattr(build, "lower_cached", broken_lowering)
+    monkeypatch.setattr(step_entry, "lower_cached", broken_lowering)
     with pytest.raises(CompileError) as info:
         build.build_step(_step, ARGS, 2, what="train_step")
     text = str(info.value)
@@ -75,7 +75,7 @@ def test_an_error_naming_no_value_still_says_how_to_report(monkeypatch):
     def broken_lowering(graph, *args, **kwargs):
         raise ValueError("group 0 deadlocks at instruction 3")
 
-    monkeypatch.setattr(build, "lower_cached", broken_lowering)
+    monkeypatch.setattr(step_entry, "lower_cached", broken_lowering)
     with pytest.raises(CompileError, match=r"^train_step: internal error while building the "
                        r"program: group 0 deadlocks at instruction 3\. This is a bug in "
                        r"jaxpp_mpi.*please report it"):

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import jaxpp_mpi as jp
-from jaxpp_mpi._src.compiler import build, split
+from jaxpp_mpi._src.compiler import build, split, step_entry
 from jaxpp_mpi._src.compiler.build import StepPlan, build_step
 from jaxpp_mpi._src.compiler.program_cache import ProgramCache
 from jaxpp_mpi._src.frontend import api
@@ -42,11 +42,14 @@ def plan_fields(plan: StepPlan) -> dict:
 
 
 def _forbid(monkeypatch, *names: str) -> None:
-    """Makes each of `build`'s `names` fail when called."""
+    """Makes each of `names`, as build.py or step_entry.py calls it, fail when called."""
     for name in names:
         def fail(*args, _name=name, **kwargs):
             raise AssertionError(f"{_name} called on a step entry hit")
-        monkeypatch.setattr(build, name, fail)
+        homes = [m for m in (build, step_entry) if hasattr(m, name)]
+        assert homes, name
+        for module in homes:
+            monkeypatch.setattr(module, name, fail)
 
 
 def _problem(schedule, scale: float = 1.0):

@@ -12,7 +12,7 @@ import pytest
 from test_lower import SCHEDULES, schedule_graph
 
 import jaxpp_mpi as jp
-from jaxpp_mpi._src.compiler import build, lower, task_models, walks
+from jaxpp_mpi._src.compiler import lower, step_entry, task_models, walks
 from jaxpp_mpi._src.compiler.build import build_step
 from jaxpp_mpi.schedules import Std1F1B
 
@@ -67,13 +67,13 @@ def test_a_plan_is_built_with_the_collector_paused(monkeypatch, enabled):
     step, optimizer = models.make_step(loss_fn, Std1F1B(2))
     mesh = jp.MpmdMesh(jax.make_mesh((2, 1), ("stage", "data")), "stage")
     seen = []
-    original = build.lower_cached
+    original = step_entry.lower_cached
 
     def spy(*args, **kwargs):
         seen.append(gc.isenabled())
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(build, "lower_cached", spy)
+    monkeypatch.setattr(step_entry, "lower_cached", spy)
     was = gc.isenabled()
     (gc.enable if enabled else gc.disable)()
     try:
