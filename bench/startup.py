@@ -105,10 +105,9 @@ def child(spec: dict) -> dict:
     import jaxpp_mpi
     from jaxpp_mpi._src.compiler import build
 
-    try:  # where the lowering is called from, in this tree or an older one
+    caller = build  # where the lowering is called from: build.py in older trees
+    if not hasattr(build, "lower_cached") and not hasattr(build, "build_program_with_names"):
         from jaxpp_mpi._src.compiler import step_entry as caller
-    except ImportError:
-        caller = build
     from jaxpp_mpi.schedules import schedule_by_name
 
     lowering = [0.0, 0.0]  # wall, CPU seconds

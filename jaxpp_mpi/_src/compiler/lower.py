@@ -1,7 +1,8 @@
 """Lowering: a TaskGraph becomes a deadlock-free, verified Program.
 
-The walks (walks.py) emit candidate programs; the task-time models (task_models.py)
-score them; this module keeps the best, adds Frees and verifies it.
+The walks (walks.py) emit candidate orders; the task-time models (task_models.py)
+score them from the walks' events; this module makes the best one's program, adds
+Frees and verifies it.
 """
 
 from __future__ import annotations
@@ -20,31 +21,32 @@ __all__ = ["build_program", "build_program_with_names", "live_buffer_profile"]
 
 def _finish(lowering: RoundWalk) -> tuple[Program, BufferNames]:
     """Runs `lowering`; its program with exchanges paired and tags assigned (no Frees)."""
-    program, names = _walked(lowering)
+    lowering.run()
+    program, names = _paired(lowering)
     return program_passes.assign_tags(program), names
 
 
-def _walked(lowering: RoundWalk) -> tuple[Program, BufferNames]:
-    """Runs `lowering`; its program with exchanges paired, tags not yet assigned.
+def _paired(walk: RoundWalk) -> tuple[Program, BufferNames]:
+    """The program of the walk `walk` ran, with exchanges paired, tags not yet assigned.
 
     Note: candidates untagged
-      The candidates are scored without tags (all -1): untagged messages match in
-      each channel's order (`passes.match_messages`: the k-th send on a channel meets
-      its k-th receive), the very pairing `assign_tags` writes down, so every play and
-      score is the tagged program's. Only the kept program gets its tags.
+      The candidates are scored from their walks' events (`Note: walk events` in
+      walks.py), the plays of their programs without tags (all -1): untagged messages
+      match in each channel's order (`passes.match_messages`: the k-th send on a
+      channel meets its k-th receive), the very pairing `assign_tags` writes down, so
+      every play and score is the tagged program's. Only the kept walk becomes a
+      program, and only it gets its tags.
     """
-    lowering.run()
-    program, names = lowering.program()
+    program, names = walk.program()
     return program_passes.pair_exchanges(program), names
 
 
-def _timed_candidates(graph: TaskGraph, estimates: Iterable[Mapping[str, float]],
-                      index: WalkIndex | None = None) -> Iterator[tuple[Program, BufferNames]]:
-    """The eager and the lazy timed walk's program under each estimate (per task name,
-    its time), each distinct order once (`Note: timed order`), exchanges paired and
-    tags not yet assigned (`Note: candidates untagged`)."""
+def _timed_walks(graph: TaskGraph, estimates: Iterable[Mapping[str, float]],
+                 index: WalkIndex | None = None) -> Iterator[TimedWalk]:
+    """The eager and the lazy timed walk under each estimate (per task name, its time),
+    run, each distinct order once (`Note: timed order`)."""
     index = index if index is not None else WalkIndex(graph)
-    seen: set[tuple[tuple[Instr, ...], ...]] = set()
+    seen: set[tuple[tuple[tuple[type[Instr], tuple], ...], ...]] = set()
     for estimate in estimates:
         for eager in (True, False):
             walk = TimedWalk(graph, estimate, eager, index)
@@ -52,8 +54,7 @@ def _timed_candidates(graph: TaskGraph, estimates: Iterable[Mapping[str, float]]
             key = tuple(tuple(gs.instrs) for gs in walk.groups)
             if key not in seen:
                 seen.add(key)
-                program, names = walk.program()
-                yield program_passes.pair_exchanges(program), names
+                yield walk
 
 
 def _lower_measured(graph: TaskGraph, task_ms: Mapping[str, float],
@@ -62,20 +63,23 @@ def _lower_measured(graph: TaskGraph, task_ms: Mapping[str, float],
 
     The timed walks run eager and lazy on the measured times and on each estimate of
     `task_models.ESTIMATES`; every candidate is played with the measured times
-    (`task_models.makespan`), and the fastest wins, the earlier one (the round order
-    first) on ties. With the times known, no hedging over task-time models is needed
-    (`Note: timed order`).
+    (`task_models.walk_makespan`), and the fastest wins, the earlier one (the round
+    order first) on ties. With the times known, no hedging over task-time models is
+    needed (`Note: timed order`).
     """
     measured = task_models.measured_estimate(graph, task_ms)
     index = WalkIndex(graph)
-    rounds = _walked(RoundWalk(graph, index))
-    best, best_time = rounds, task_models.makespan(rounds[0], measured, sends)
+    n = graph.num_groups
+    best: RoundWalk = RoundWalk(graph, index)
+    best.run()
+    best_time = task_models.walk_makespan(best.events, n, measured, sends)
     estimates = (measured, *(task_models.estimate(graph, m) for m in task_models.ESTIMATES))
-    for candidate in _timed_candidates(graph, estimates, index):
-        t = task_models.makespan(candidate[0], measured, sends)
+    for walk in _timed_walks(graph, estimates, index):
+        t = task_models.walk_makespan(walk.events, n, measured, sends)
         if t < best_time - 1e-9:
-            best, best_time = candidate, t
-    return program_passes.assign_tags(best[0]), best[1]
+            best, best_time = walk, t
+    program, names = _paired(best)
+    return program_passes.assign_tags(program), names
 
 
 def _lower_best(graph: TaskGraph, sends: str = "blocking") -> tuple[Program, BufferNames]:
@@ -83,32 +87,36 @@ def _lower_best(graph: TaskGraph, sends: str = "blocking") -> tuple[Program, Buf
 
     The timed walks run eager and lazy under each estimate of `task_models.ESTIMATES`;
     walks that give the same instructions are scored once. Candidates are scored by
-    `task_models.scores`. A timed order is eligible only if it is no worse than the round
-    order under every model; the eligible one with the best mean wins, the earlier one
-    (the round order first) on ties. So no graph gets a program slower under any of
-    `task_models.MODELS` than the round order. A round order already at the graph's own
-    timeline under every model (`task_models.dataflow_scores`: GPipe) is kept without
-    walking; once a timed order wins at that timeline (1F1B with its fused last stage,
-    after the first walk), the walks stop: that timeline bounds every program's scores
-    from below, so no later candidate could win (they would only tie, and ties keep the
-    earlier one). The result is the one all the walks would give.
+    `task_models.walk_scores` (`task_models.scores` of their programs). A timed order
+    is eligible only if it is no worse than the round order under every model; the
+    eligible one with the best mean wins, the earlier one (the round order first) on
+    ties. So no graph gets a program slower under any of `task_models.MODELS` than the
+    round order. A round order already at the graph's own timeline under every model
+    (`task_models.dataflow_scores`: GPipe) is kept without walking; once a timed order
+    wins at that timeline (1F1B with its fused last stage, after the first walk), the
+    walks stop: that timeline bounds every program's scores from below, so no later
+    candidate could win (they would only tie, and ties keep the earlier one). The
+    result is the one all the walks would give. Only the winner becomes a program
+    (`Note: candidates untagged`).
     """
     index = WalkIndex(graph)
-    rounds = _walked(RoundWalk(graph, index))
-    base = task_models.scores(rounds[0], sends)
+    n = graph.num_groups
+    best: RoundWalk = RoundWalk(graph, index)
+    best.run()
+    base = task_models.walk_scores(best.events, n, sends)
     bound = task_models.dataflow_scores(graph)
-    if _at_bound(base, bound):  # already the graph's own timeline under every model
-        return program_passes.assign_tags(rounds[0]), rounds[1]
-    best, best_mean = rounds, sum(base) / len(base)
-    estimates = (task_models.estimate(graph, m) for m in task_models.ESTIMATES)
-    for candidate in _timed_candidates(graph, estimates, index):
-        scores = task_models.scores(candidate[0], sends)
-        mean = sum(scores) / len(scores)
-        if all(x <= y + 1e-9 for x, y in zip(scores, base)) and mean < best_mean - 1e-9:
-            best, best_mean = candidate, mean
-            if _at_bound(scores, bound):
-                break  # no later candidate's mean can be lower by more than the tolerance
-    return program_passes.assign_tags(best[0]), best[1]
+    if not _at_bound(base, bound):  # else: already the graph's own timeline
+        best_mean = sum(base) / len(base)
+        estimates = (task_models.estimate(graph, m) for m in task_models.ESTIMATES)
+        for walk in _timed_walks(graph, estimates, index):
+            scores = task_models.walk_scores(walk.events, n, sends)
+            mean = sum(scores) / len(scores)
+            if all(x <= y + 1e-9 for x, y in zip(scores, base)) and mean < best_mean - 1e-9:
+                best, best_mean = walk, mean
+                if _at_bound(scores, bound):
+                    break  # no later candidate's mean can be lower by more than the tolerance
+    program, names = _paired(best)
+    return program_passes.assign_tags(program), names
 
 
 def _at_bound(scores: tuple[float, ...], bound: tuple[float, ...]) -> bool:

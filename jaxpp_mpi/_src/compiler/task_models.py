@@ -2,8 +2,9 @@
 
 The lowering (lower.py) walks a task graph into several candidate programs
 (walks.py) and keeps the one these scores favour (`Note: timed order` in walks.py):
-each candidate is played (`play`) with every task at its time under each model of
-`MODELS`, or at measured times (`measured_estimate`, `makespan`).
+each candidate is played (`play`, or `play_walk` from the walk's events) with every
+task at its time under each model of `MODELS`, or at measured times
+(`measured_estimate`, `makespan`).
 """
 
 from __future__ import annotations
@@ -14,12 +15,14 @@ import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from jaxpp_mpi._src.compiler.task_graph import TaskGraph
+from jaxpp_mpi._src.compiler.walks import Event
 from jaxpp_mpi._src.ir import rendezvous, simulate
 from jaxpp_mpi._src.ir.program import Program, Run
 from jaxpp_mpi._src.schedules.tasks import parse_label
 
 __all__ = ["ESTIMATES", "MODELS", "TaskModel", "dataflow_scores", "estimate", "label_kinds",
-           "label_times", "label_times_models", "makespan", "measured_estimate", "play", "scores"]
+           "label_times", "label_times_models", "makespan", "measured_estimate", "play",
+           "play_walk", "scores", "walk_makespan", "walk_scores"]
 
 # Task-time models, (F, B, I, W) per kind letter (`kind_latency`). Each drives timed
 # walks (`ESTIMATES`: the first the one the walks used alone before); the lowering keeps
@@ -136,6 +139,51 @@ def play(program: Program, times: Callable[[str], tuple[float, ...]], k: int,
             elif isinstance(run := instrs[e.group][e.index], Run):
                 run_task(e.group, run)
     return [(max(clock, default=0.0), max(work, default=0.0)) for clock, work in zip(now, busy)]
+
+
+def play_walk(events: Sequence[Event], num_groups: int,
+              times: Callable[[str], tuple[float, ...]], k: int,
+              sends: str = "blocking") -> list[tuple[float, float]]:
+    """`play` of the program a walk emits, from the walk's events alone (`Note: walk
+    events` in walks.py): the same figures bit for bit, without making the program."""
+    now = [[0.0] * num_groups for _ in range(k)]
+    busy = [[0.0] * num_groups for _ in range(k)]
+    cache: dict[str, tuple[float, ...]] = {}
+    posted = sends == "posted"
+    for e in events:
+        if len(e) == 2:
+            g, label = e
+            ts = cache.get(label)
+            if ts is None:
+                ts = cache[label] = times(label)
+            for clock, work, t in zip(now, busy, ts):
+                clock[g] += t
+                work[g] += t
+        elif posted and not e[2]:  # the sender went on when it posted the send
+            a, b = e[0], e[1]
+            for clock in now:
+                clock[b] = max(clock[b], clock[a])
+        else:
+            a, b = e[0], e[1]
+            for clock in now:
+                clock[a] = clock[b] = max(clock[a], clock[b])
+    return [(max(clock, default=0.0), max(work, default=0.0)) for clock, work in zip(now, busy)]
+
+
+def walk_scores(events: Sequence[Event], num_groups: int,
+                sends: str = "blocking") -> tuple[float, ...]:
+    """`scores` of the program a walk emits, from its events (`play_walk`)."""
+    labels = frozenset(e[1] for e in events if len(e) == 2)
+    played = play_walk(events, num_groups, _model_times(labels).__getitem__, len(MODELS),
+                       sends)
+    return tuple(_ratio(*x) for x in played)
+
+
+def walk_makespan(events: Sequence[Event], num_groups: int, latency: Mapping[str, float],
+                  sends: str = "blocking") -> float:
+    """`makespan` of the program a walk emits, from its events (`play_walk`)."""
+    return play_walk(events, num_groups, lambda label: (latency.get(label, 0.0),), 1,
+                     sends)[0][0]
 
 
 def _ratio(makespan: float, busiest: float) -> float:

@@ -18,9 +18,12 @@ from jaxpp_mpi._src.ir.program import (
     Send,
 )
 
-__all__ = ["BufferNames", "RoundWalk", "TimedWalk", "WalkIndex"]
+__all__ = ["BufferNames", "Event", "RoundWalk", "TimedWalk", "WalkIndex"]
 
 BufferNames = tuple[dict[int, Value], ...]  # per group: buffer id -> value name
+# One event of a walk (`Note: walk events`): (group, task name) for a Run, (sender,
+# receiver, whether it is an exchange) for a message.
+Event = tuple[int, str] | tuple[int, int, bool]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -37,7 +40,8 @@ class _Group:
     """The lowering's mutable state for one group."""
 
     tasks: tuple[TaskNode, ...]
-    instrs: list[Instr] = dataclasses.field(default_factory=list)
+    # the instructions as (class, arguments), made only for the kept walk's program
+    instrs: list[tuple[type[Instr], tuple]] = dataclasses.field(default_factory=list)
     bufs: dict[Value, int] = dataclasses.field(default_factory=dict)  # value -> live buffer
     names: dict[int, Value] = dataclasses.field(default_factory=dict)  # buffer -> value
     pos: int = 0  # index of the next task
@@ -160,6 +164,18 @@ class RoundWalk:
       lowering decides them, from every group's next task at once (which values are
       missing, which exist, which opposite messages pair up). Playing the result again
       is `simulate.verify`'s job, done once at the end of `build_program_with_names`.
+
+    Note: walk events
+      Beside the instructions, a walk keeps its events in that single order (`events`):
+      `(g, task)` for a Run, `(src, dst, False)` for a message, `(a, b, True)` for an
+      exchange. Each group's events are its instructions in order, and the order is a
+      rendezvous execution of the paired program, so playing the events (each Run
+      adding its time to its group's clock, a message or exchange setting both clocks
+      to their maximum; with posted sends a message only its receiver's) gives the
+      program's play (`task_models.play`) bit for bit: the same additions and maxima
+      per group, and a clock depends only on its group's sequence and the clocks it
+      meets. So the lowering scores candidates from their events
+      (`task_models.play_walk`) and makes only the winner's program.
     """
 
     def __init__(self, graph: TaskGraph, index: WalkIndex | None = None):
@@ -171,6 +187,7 @@ class RoundWalk:
         # value -> consumer groups other than its producer, not yet delivered to
         self.undelivered = {v: set(gs) for v, gs in self.index.remote.items()}
         self.input_bufs: dict[Value, int] = {}
+        self.events: list[Event] = []  # `Note: walk events`
         for v, g, _ in sorted(graph.inputs, key=lambda x: (x[1], x[2], x[0])):
             self.input_bufs[v] = self.groups[g].define(v)
             self.available.add(v)
@@ -209,7 +226,8 @@ class RoundWalk:
         outs = tuple(range(first, first + len(t.outs)))
         bufs.update(zip(t.outs, outs))
         names.update(zip(outs, t.outs))
-        gs.instrs.append(Run(t.exe, ins, outs, t.name, donate))
+        gs.instrs.append((Run, (t.exe, ins, outs, t.name, donate)))
+        self.events.append((g, t.name))
         self.available.update(t.outs)
         gs.pos += 1
         return True
@@ -250,8 +268,9 @@ class RoundWalk:
 
     def _send(self, m: _Message) -> None:
         sbuf, rbuf = self._take(m)
-        self.groups[m.src].instrs.append(Send(sbuf, m.dst, -1))
-        self.groups[m.dst].instrs.append(Recv(rbuf, m.src, -1, self.graph.avals[m.value]))
+        self.groups[m.src].instrs.append((Send, (sbuf, m.dst, -1)))
+        self.groups[m.dst].instrs.append((Recv, (rbuf, m.src, -1, self.graph.avals[m.value])))
+        self.events.append((m.src, m.dst, False))
 
     def _exchange(self, m: _Message, r: _Message) -> None:
         """`m` (a->b) and `r` (b->a) as Send then Recv on each side.
@@ -263,8 +282,9 @@ class RoundWalk:
         m_send, m_recv = self._take(m)
         r_send, r_recv = self._take(r)
         avals = self.graph.avals
-        self.groups[a].instrs += [Send(m_send, b, -1), Recv(r_recv, b, -1, avals[r.value])]
-        self.groups[b].instrs += [Send(r_send, a, -1), Recv(m_recv, a, -1, avals[m.value])]
+        self.groups[a].instrs += [(Send, (m_send, b, -1)), (Recv, (r_recv, b, -1, avals[r.value]))]
+        self.groups[b].instrs += [(Send, (r_send, a, -1)), (Recv, (m_recv, a, -1, avals[m.value]))]
+        self.events.append((a, b, True))
 
     def _stuck_message(self) -> str:
         lines = []
@@ -285,7 +305,8 @@ class RoundWalk:
             inputs = [(self.input_bufs[v], k) for v, h, k in self.graph.inputs if h == g]
             outputs = [(gs.bufs[v], k) for v, k in self.graph.outputs if self.prod[v] == g]
             avals = dict(zip(gs.names, map(self.graph.avals.__getitem__, gs.names.values())))
-            groups.append(GroupProgram(g, inputs, tuple(gs.instrs), outputs, avals))
+            instrs = tuple(make(*args) for make, args in gs.instrs)
+            groups.append(GroupProgram(g, inputs, instrs, outputs, avals))
         return Program(tuple(groups)), tuple(dict(gs.names) for gs in self.groups)
 
 
@@ -345,6 +366,7 @@ class TimedWalk(RoundWalk):
         for v in self.input_bufs:
             self._owe(v)
         self.tail = self.index.tails(latency)
+        self._ended = True  # whether a group may have ended since `run` last looked
 
     def _owe(self, v: Value) -> None:
         """Records the messages of the new value `v` with the groups waiting for it."""
@@ -366,6 +388,8 @@ class TimedWalk(RoundWalk):
             self._deliver(ms)
             for m in ms:
                 del self.pending[m.src][(m.value, m.dst)], self.pending[m.dst][(m.value, m.dst)]
+            if not (self.pending[a] and self.pending[b]):
+                self._ended = True
             self.time[a] = self.time[b] = max(self.time[a], self.time[b])
 
     def _takes_now(self, m: _Message) -> bool:
@@ -384,11 +408,15 @@ class TimedWalk(RoundWalk):
         """
         groups, pending, time = self.groups, self.pending, self.time
         live = list(range(len(groups)))
+        self._ended = True
         while True:
-            # A group with no task left and nothing owed to or by it never acts again.
-            live = [g for g in live if groups[g].pos < len(groups[g].tasks) or pending[g]]
-            if not live:
-                return
+            # A group with no task left and nothing owed to or by it never acts again;
+            # only a group's last task or a delivery can end one (`_ended`).
+            if self._ended:
+                self._ended = False
+                live = [g for g in live if groups[g].pos < len(groups[g].tasks) or pending[g]]
+                if not live:
+                    return
             # The earliest group almost always acts; `_act` changes nothing when it does
             # not, so trying it first and then every group in order is the same walk.
             # `live` ascends, and min and sorted keep the first of equals: ties by index.
@@ -428,10 +456,13 @@ class TimedWalk(RoundWalk):
             if donated:
                 self._deliver_timed(donated)
                 return True
-            self._run_task(g)
-            self.available.update(task.outs)
+            self._run_task(g)  # makes task.outs available
+            if gs.pos == len(gs.tasks):
+                self._ended = True
+            undelivered = self.undelivered
             for v in task.outs:
-                self._owe(v)
+                if undelivered.get(v):
+                    self._owe(v)
             self.time[g] = t + self.latency[task.name]
             return True
         later = [self.time[h] for h in live if self.time[h] > t]

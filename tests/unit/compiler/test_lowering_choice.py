@@ -1,11 +1,14 @@
 """The lowering's choice among its candidate orders equals the choice over all of them.
 
-`_lower_best` stops walking once a timed order reaches the graph's dataflow timeline
-(a lower bound of every program's scores); this checks, schedule by schedule, that
-the program it keeps is the one scoring every candidate would keep.
+`_lower_best` scores walks from their events and stops walking once a timed order
+reaches the graph's dataflow timeline (a lower bound of every program's scores); this
+checks, schedule by schedule, that the program it keeps is the one scoring every
+candidate's program would keep, and that a walk's events play as its program does.
 """
 
 from __future__ import annotations
+
+import random
 
 import pytest
 from test_lower import SCHEDULES, schedule_graph
@@ -24,7 +27,7 @@ def exhaustive_best(graph):
     if all(x <= y + 1e-9 for x, y in zip(base, task_models.dataflow_scores(graph))):
         return rounds
     estimates = [task_models.estimate(graph, m) for m in task_models.ESTIMATES]
-    for candidate in lower._timed_candidates(graph, estimates):
+    for candidate in map(lower._paired, lower._timed_walks(graph, estimates)):
         scores = task_models.scores(candidate[0])
         mean = sum(scores) / len(scores)
         if all(x <= y + 1e-9 for x, y in zip(scores, base)) and mean < best_mean - 1e-9:
@@ -46,6 +49,29 @@ def test_dataflow_scores_bound_every_candidate():
     bound = task_models.dataflow_scores(graph)
     estimates = [task_models.estimate(graph, m) for m in task_models.ESTIMATES]
     candidates = [lower._finish(walks.RoundWalk(graph)),
-                  *lower._timed_candidates(graph, estimates)]
+                  *map(lower._paired, lower._timed_walks(graph, estimates))]
     for program, _ in candidates:
         assert all(x >= y - 1e-9 for x, y in zip(task_models.scores(program), bound))
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+@pytest.mark.parametrize("sends", ["blocking", "posted"])
+def test_a_walks_events_play_as_its_program(name, sends):
+    """Scores and makespans from the events (`Note: walk events`) equal, bit for bit,
+    those of the program the walk emits, played by `task_models.play`."""
+    graph = schedule_graph(SCHEDULES[name](4), 8)
+    rng = random.Random(name)
+    measured = {t.name: rng.uniform(0.1, 3.0) for ts in graph.tasks for t in ts}
+    estimates = [measured, *(task_models.estimate(graph, m) for m in task_models.ESTIMATES)]
+    rounds = walks.RoundWalk(graph)
+    rounds.run()
+    played = 0
+    for walk in [rounds, *lower._timed_walks(graph, estimates)]:
+        program, _ = lower._paired(walk)
+        n = graph.num_groups
+        assert (task_models.walk_scores(walk.events, n, sends)
+                == task_models.scores(program, sends))
+        assert (task_models.walk_makespan(walk.events, n, measured, sends)
+                == task_models.makespan(program, measured, sends))
+        played += 1
+    assert played >= 2
