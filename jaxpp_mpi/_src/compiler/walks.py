@@ -80,6 +80,7 @@ class WalkIndex:
       prod: value -> the group producing it (or binding it, for a step input).
       remote: value -> the groups other than its producer that read it.
       first_use: per group, value -> index of the first of its tasks reading it.
+      sent: per task name, its outputs that other groups read (in output order).
     """
 
     def __init__(self, graph: TaskGraph):
@@ -96,6 +97,9 @@ class WalkIndex:
                 if self.prod[v] != g:
                     self.remote.setdefault(v, set()).add(g)
             self.first_use.append(first)
+        remote = self.remote
+        self.sent = {t.name: tuple(v for v in t.outs if v in remote)
+                     for ts in graph.tasks for t in ts}
         self._post_order: list[str] | None = None
         self._succ: dict[str, set[str]] = {}
         self._tails: list[tuple[Mapping[str, float], dict[str, float]]] = []
@@ -459,10 +463,8 @@ class TimedWalk(RoundWalk):
             self._run_task(g)  # makes task.outs available
             if gs.pos == len(gs.tasks):
                 self._ended = True
-            undelivered = self.undelivered
-            for v in task.outs:
-                if undelivered.get(v):
-                    self._owe(v)
+            for v in self.index.sent[task.name]:  # the outputs some other group reads
+                self._owe(v)
             self.time[g] = t + self.latency[task.name]
             return True
         later = [self.time[h] for h in live if self.time[h] > t]
