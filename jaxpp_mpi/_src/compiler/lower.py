@@ -131,12 +131,12 @@ def build_program_with_names(
     """Lowers `graph` to a verified Program, and names every buffer.
 
     The lowering pass: validates the graph, walks it in rounds (see `Note: global
-    order`) and in estimated time (`Note: timed order`), each walk's program with its
-    exchanges fused into SendRecv (`program_passes.pair_exchanges`), keeps the best of
-    them (`_lower_best`), assigns its tags (`program_passes.assign_tags`; `Note:
-    candidates untagged`), adds Frees (`program_passes.add_frees`) and verifies the
-    result (`simulate.verify`). This is the one verification of a compiled program: the
-    executors take it as verified.
+    order`) and in estimated time (`Note: timed order`), keeps the best walk by its
+    events' scores (`_lower_best`, `Note: walk events`), makes its program with its
+    exchanges fused into SendRecv (`program_passes.pair_exchanges`), assigns its tags
+    (`program_passes.assign_tags`; `Note: candidates untagged`), adds Frees
+    (`program_passes.add_frees`) and verifies the result (`simulate.verify`). This is
+    the one verification of a compiled program: the executors take it as verified.
 
     In the round walk, each round first runs, on every group in turn, its next task if
     all the task's inputs are present on the group (a Run; a donated value is first sent

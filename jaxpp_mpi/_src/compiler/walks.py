@@ -215,11 +215,12 @@ class RoundWalk:
             return False
         t = gs.tasks[gs.pos]
         if t.donate:  # a donated buffer dies in the task: send it to its other consumers first
+            undelivered = self.undelivered
             early = [
                 _Message(v, g, dst)
                 for v in t.donate
-                if self.prod[v] == g
-                for dst in sorted(self.undelivered.get(v, ()))
+                if undelivered.get(v) and self.prod[v] == g
+                for dst in sorted(undelivered[v])
             ]
             if early:
                 self._deliver(early)
@@ -401,8 +402,10 @@ class TimedWalk(RoundWalk):
         if self.eager:
             return True
         r = self.groups[m.dst]
-        t = r.next_task
-        return t is None or m.value in t.ins or bool(r.missing())
+        if r.pos >= len(r.tasks):
+            return True
+        ins = r.tasks[r.pos].ins
+        return m.value in ins or not all(map(r.bufs.__contains__, ins))  # or r waits
 
     def run(self) -> None:
         """Plays the groups in estimated time until all tasks ran and all values arrived.
@@ -434,8 +437,8 @@ class TimedWalk(RoundWalk):
         """One step of group g at its time; returns whether anything changed."""
         time = self.time
         t, gs = time[g], self.groups[g]
-        pending = (sorted(self.pending[g].values(), key=lambda m: (m.value, m.dst))
-                   if self.pending[g] else [])
+        owes = self.pending[g]  # keyed by (value, receiver): sorted by value, then receiver
+        pending = [owes[k] for k in sorted(owes)] if owes else []
         here = [
             m
             for m in pending
