@@ -75,8 +75,8 @@ def run_job(launch: str, ranks: int, fault: str, **env: str) -> tuple[int, str]:
     A plain mpirun that outlives LIMIT_S after a rank's `MPI_Abort` (Open MPI's
     `MPI_ABORT was invoked` is in its output: the ranks did their part) is Open MPI's
     launcher failing its own teardown, not a jaxpp_mpi hang: prterun 5.0 does so
-    rarely (here it once hung past 60 s, and it ended by SIGSEGV in 2 of 150
-    runs of `raise-with-the-hook-off`), and jpprun ends it (`Note: Watching the
+    rarely (in `raise-with-the-hook-off` it once hung past 60 s in CI, and it ended by
+    SIGSEGV in 2 of 150 runs on this machine), and jpprun ends it (`Note: Watching the
     launcher`). Such a job runs once more; any other overrun is a hang and fails.
     """
     if launch == "jpprun":
