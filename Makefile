@@ -35,7 +35,7 @@ install:
 # The single-process tests run side by side with the jobs' tests and then the mpirun runs
 # (each stream's output printed whole when it ends): the jobs end first, and the mpirun runs
 # take up the cores the single-process tests' last minutes leave. From a fresh clone on the
-# 2-core machine: `make test` 14:38 (the jobs 7:34, then the mpirun runs ~7:00; the
+# 2-core machine: `make test` 12:02-14:38 (the jobs 5:51-7:34, then the mpirun runs; the
 # single-process tests 10:30 beside them; side by side with the jobs alone, 8:57).
 test: lint
 	$(MAKE) --no-print-directory -j2 --output-sync=target test-unit test-jobs-mpi

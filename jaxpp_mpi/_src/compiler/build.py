@@ -398,8 +398,8 @@ def _build_step(
     # Each group runs its pre segment, its loop tasks, then its post segments by level.
     # The segments see of the loop tasks only the group's values they read (no value of
     # one microbatch is a segment's), so one stand-in task reading those takes their
-    # place until the task graph is built (`with_loop_tasks`), and a step entry's hit
-    # makes the segments' executables without any loop task node.
+    # place until the task graph is built (`step_entry.lowered_entry`), and a step
+    # entry's hit makes the segments' executables without any loop task node.
     stand_ins = [TaskNode("loop", g, "loop", lx.reads[g], ()) for g in range(num_groups)]
     orders = [([pre[g]] if pre[g] else []) + [stand_ins[g]] + post[g] for g in range(num_groups)]
     kept = {v for v, _ in outputs.values}

@@ -87,7 +87,7 @@ def _lower_best(graph: TaskGraph, sends: str = "blocking") -> tuple[Program, Buf
 
     The timed walks run eager and lazy under each estimate of `task_models.ESTIMATES`;
     walks that give the same instructions are scored once. Candidates are scored by
-    `task_models.walk_scores` (`task_models.scores` of their programs). A timed order
+    `task_models.walk_scores` (their programs' scores, `Note: walk events`). A timed order
     is eligible only if it is no worse than the round order under every model; the
     eligible one with the best mean wins, the earlier one (the round order first) on
     ties. So no graph gets a program slower under any of `task_models.MODELS` than the

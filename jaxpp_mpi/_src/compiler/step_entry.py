@@ -33,13 +33,12 @@ if TYPE_CHECKING:
 
     from jaxpp_mpi._src.arrays.mesh import MpmdMesh
 
-__all__ = ["Inputs", "cached_entry", "check_task_times", "exe_avals", "key_parts",
-           "lowered_entry", "split_text", "step_inputs", "with_loop_tasks"]
+__all__ = ["cached_entry", "key_parts", "lowered_entry"]
 
 logger = logging.getLogger("jaxpp_mpi")
 
 
-class Inputs(NamedTuple):
+class _Inputs(NamedTuple):
     """The step's inputs: user inputs on their owners, then microbatch indexes."""
 
     bindings: list[tuple[Value, int, int]]  # (value, owner group, flat input index)
@@ -48,14 +47,14 @@ class Inputs(NamedTuple):
     mb_inputs: list[tuple[int, int, int]]  # (flat input index, group, microbatch)
 
 
-def step_inputs(
+def _step_inputs(
     input_owner: Sequence[int | None], input_avals: Sequence[Aval],
     mb_values: dict[tuple[int, int], Value], avals: dict[Value, Aval],
-) -> Inputs:
+) -> _Inputs:
     """Binds the step's inputs: constants and arguments on their owners, then one
     microbatch index per (microbatch, group) that a task reads, by group."""
     bindings = [(input_value(k), g, k) for k, g in enumerate(input_owner) if g is not None]
-    out = Inputs(bindings, list(input_avals), list(input_owner), [])
+    out = _Inputs(bindings, list(input_avals), list(input_owner), [])
     for (m, g), v in sorted(mb_values.items(), key=lambda x: (x[0][1], x[0][0])):
         k = len(out.avals)
         out.bindings.append((v, g, k))
@@ -65,7 +64,7 @@ def step_inputs(
     return out
 
 
-def exe_avals(tasks: Sequence[Sequence[TaskNode]], avals: dict[Value, Aval]
+def _exe_avals(tasks: Sequence[Sequence[TaskNode]], avals: dict[Value, Aval]
                ) -> tuple[dict[str, ExeAvals], ...]:
     """Per group, executable name -> (input avals, output avals) of its first run."""
     out: list[dict[str, ExeAvals]] = [{} for _ in tasks]
@@ -76,7 +75,7 @@ def exe_avals(tasks: Sequence[Sequence[TaskNode]], avals: dict[Value, Aval]
     return tuple(out)
 
 
-def check_task_times(graph: TaskGraph, task_times_ms: Mapping[str, float], what: str) -> None:
+def _check_task_times(graph: TaskGraph, task_times_ms: Mapping[str, float], what: str) -> None:
     """Refuses measured task times that name none of the step's tasks (times of another
     step or schedule would otherwise silently order this one by their kind means)."""
     labels = {part for ts in graph.tasks for t in ts for part in (t.name, *t.name.split("+"))}
@@ -88,7 +87,7 @@ def check_task_times(graph: TaskGraph, task_times_ms: Mapping[str, float], what:
             "this step with collect_task_times_ms")
 
 
-def split_text(split: SplitBody) -> str:
+def _split_text(split: SplitBody) -> str:
     """What the split decided, as the loop tasks see it: each stage task's inputs and
     exported values with their avals (which residuals cross, which are recomputed), and
     what each body output is."""
@@ -99,28 +98,28 @@ def split_text(split: SplitBody) -> str:
 
 
 def key_parts(jaxpr: jex_core.Jaxpr, consts: Sequence[Any], split: SplitBody,
-               schedule: Any, lo: LoopOrder, num_groups: int, options: Any,
-               num_replicas: int, replica_dims: Sequence[int | None] | None, defer: bool,
-               mesh: MpmdMesh | None) -> list[str]:
+              schedule: Any, lo: LoopOrder, num_groups: int, options: Any,
+              num_replicas: int, replica_dims: Sequence[int | None] | None, defer: bool,
+              mesh: MpmdMesh | None) -> list[str]:
     """What a step entry's key covers besides the task times and the sends (`Note:
     program cache` in compiler/program_cache.py): the traced step's text (`Note: step
-    fingerprints`: `step_text` reads the plan's jaxpr and constants only), the split's
-    stage tasks, the schedule and the order it gives the tasks, and the options."""
+    fingerprints`: `fingerprint.jaxpr_text`), the split's stage tasks, the schedule and
+    the order it gives the tasks, and the options."""
     step = fingerprint.jaxpr_text(jaxpr, consts)
     order = ";".join(" ".join(f"{kind.value}{stage}.{m}" for (kind, stage), m in group)
                      for group in lo.order)
     fused = sorted((a[0].value, a[1], b[0].value, b[1]) for a, b in lo.fused.items())
     where = None if mesh is None else (dict(mesh.jax_mesh.shape), mesh.mpmd_axis_name,
                                        mesh.group_shape, mesh.replica_axis_name)
-    return [jax.__version__, step, split_text(split), repr(schedule),
+    return [jax.__version__, step, _split_text(split), repr(schedule),
             type(schedule).__qualname__, order,
             repr(fused), repr((num_groups, options, num_replicas, replica_dims, defer)),
             repr(where)]
 
 
 def cached_entry(cache: ProgramCache | None, key: str | None,
-                  exes: Sequence[Mapping[str, Exe]], input_avals: Sequence[Aval]
-                  ) -> tuple[StepEntry | None, float | None]:
+                 exes: Sequence[Mapping[str, Exe]], input_avals: Sequence[Aval]
+                 ) -> tuple[StepEntry | None, float | None]:
     """The step entry under `key` and the seconds reading it took, or (None, None).
 
     An entry whose executables or user inputs are not this plan's (a stale or foreign
@@ -142,7 +141,7 @@ def cached_entry(cache: ProgramCache | None, key: str | None,
     return entry, time.perf_counter() - start
 
 
-def with_loop_tasks(tasks: Sequence[TaskNode], stand_in: TaskNode,
+def _with_loop_tasks(tasks: Sequence[TaskNode], stand_in: TaskNode,
                      loop_tasks: Sequence[TaskNode]) -> list[TaskNode]:
     """A group's tasks with its loop's stand-in replaced by its loop tasks."""
     k = next(k for k, t in enumerate(tasks) if t is stand_in)
@@ -170,14 +169,14 @@ def lowered_entry(
       The entry, and whether its program came from a program entry.
     """
     avals = {**nodes.avals, **avals}  # the values of the loop tasks first, as they make them
-    tasks = [with_loop_tasks(ts, s, lt) for ts, s, lt in zip(tasks, stand_ins, nodes.tasks)]
-    inputs = step_inputs(input_owner, input_avals, nodes.mb_values, avals)
+    tasks = [_with_loop_tasks(ts, s, lt) for ts, s, lt in zip(tasks, stand_ins, nodes.tasks)]
+    inputs = _step_inputs(input_owner, input_avals, nodes.mb_values, avals)
     graph = TaskGraph(len(tasks), tasks, inputs.bindings, list(output_values), avals)
     if task_times_ms:
-        check_task_times(graph, task_times_ms, what)
+        _check_task_times(graph, task_times_ms, what)
     try:
         program, buffer_names, from_cache = lower_cached(graph, task_times_ms, sends, cache)
     except ValueError as e:  # a failed internal check: a bug of the compiler
         raise internal_error(what, e, split) from e
-    return StepEntry(program, buffer_names, exe_avals(tasks, avals), tuple(inputs.avals),
+    return StepEntry(program, buffer_names, _exe_avals(tasks, avals), tuple(inputs.avals),
                      tuple(inputs.owner), tuple(inputs.mb_inputs)), from_cache

@@ -2,9 +2,9 @@
 
 The lowering (lower.py) walks a task graph into several candidate programs
 (walks.py) and keeps the one these scores favour (`Note: timed order` in walks.py):
-each candidate is played (`play`, or `play_walk` from the walk's events) with every
-task at its time under each model of `MODELS`, or at measured times
-(`measured_estimate`, `makespan`).
+each candidate is played from its walk's events (`play_walk`) with every task at its
+time under each model of `MODELS` (`walk_scores`), or at measured times
+(`measured_estimate`, `walk_makespan`).
 """
 
 from __future__ import annotations
@@ -16,13 +16,11 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from jaxpp_mpi._src.compiler.task_graph import TaskGraph
 from jaxpp_mpi._src.compiler.walks import Event
-from jaxpp_mpi._src.ir import rendezvous, simulate
-from jaxpp_mpi._src.ir.program import Program, Run
 from jaxpp_mpi._src.schedules.tasks import parse_label
 
 __all__ = ["ESTIMATES", "MODELS", "TaskModel", "dataflow_scores", "estimate", "label_kinds",
-           "label_times", "label_times_models", "makespan", "measured_estimate", "play",
-           "play_walk", "scores", "walk_makespan", "walk_scores"]
+           "label_times", "label_times_models", "measured_estimate", "play_walk",
+           "walk_makespan", "walk_scores"]
 
 # Task-time models, (F, B, I, W) per kind letter (`kind_latency`). Each drives timed
 # walks (`ESTIMATES`: the first the one the walks used alone before); the lowering keeps
@@ -96,56 +94,18 @@ def label_times_models(names: Iterable[str], models: Sequence[TaskModel]
              for name, count in counts.items()} for model in models]
 
 
-def play(program: Program, times: Callable[[str], tuple[float, ...]], k: int,
-          sends: str = "blocking") -> list[tuple[float, float]]:
-    """Per set of task times, (makespan, busiest group's work) of `program`.
-
-    The makespan is `simulate.simulate`'s with free messages and `sends`, for every set
-    of times from one play (`rendezvous.play`, or `simulate.posted_order` for posted
-    sends; the candidates are checked once, the winner by `simulate.verify`): a Run
-    ends its task's time after it starts; a blocking message when both sides have
-    reached it, a posted one when its receiver has reached it and its sender had.
-    `times(label)` gives a task's time in each of the `k` sets.
-    """
-    instrs = [g.instrs for g in program.groups]
-    now = [[0.0] * len(instrs) for _ in range(k)]
-    busy = [[0.0] * len(instrs) for _ in range(k)]
-    cache: dict[str, tuple[float, ...]] = {}
-
-    def run_task(g: int, run: Run) -> None:
-        ts = cache.get(run.task)
-        if ts is None:
-            ts = cache[run.task] = times(run.task)
-        for clock, work, t in zip(now, busy, ts):
-            clock[g] += t
-            work[g] += t
-
-    if sends == "posted":
-        posted: dict[tuple[int, int], list[float]] = {}
-        for is_post, g, i, sender in simulate.posted_order(program):
-            if is_post:
-                posted[(g, i)] = [clock[g] for clock in now]
-            elif sender is not None:
-                for clock, t in zip(now, posted[sender]):
-                    clock[g] = max(clock[g], t)
-            elif isinstance(run := instrs[g][i], Run):
-                run_task(g, run)
-    else:
-        for e in rendezvous.play(program):
-            if isinstance(e, rendezvous.Matched):
-                (s, _), (d, _) = e.send, e.recv
-                for clock in now:
-                    clock[s] = clock[d] = max(clock[s], clock[d])
-            elif isinstance(run := instrs[e.group][e.index], Run):
-                run_task(e.group, run)
-    return [(max(clock, default=0.0), max(work, default=0.0)) for clock, work in zip(now, busy)]
-
-
 def play_walk(events: Sequence[Event], num_groups: int,
               times: Callable[[str], tuple[float, ...]], k: int,
               sends: str = "blocking") -> list[tuple[float, float]]:
-    """`play` of the program a walk emits, from the walk's events alone (`Note: walk
-    events` in walks.py): the same figures bit for bit, without making the program."""
+    """Per set of task times, (makespan, busiest group's work) of the program a walk
+    emits, played from the walk's events alone (`Note: walk events` in walks.py).
+
+    The makespan is `simulate.simulate`'s with free messages and `sends` (the winner is
+    checked by `simulate.verify`): a Run ends its task's time after it starts; a
+    blocking message when both sides have reached it, a posted one when its receiver
+    has reached it and its sender had. `times(label)` gives a task's time in each of
+    the `k` sets.
+    """
     now = [[0.0] * num_groups for _ in range(k)]
     busy = [[0.0] * num_groups for _ in range(k)]
     cache: dict[str, tuple[float, ...]] = {}
@@ -172,7 +132,8 @@ def play_walk(events: Sequence[Event], num_groups: int,
 
 def walk_scores(events: Sequence[Event], num_groups: int,
                 sends: str = "blocking") -> tuple[float, ...]:
-    """`scores` of the program a walk emits, from its events (`play_walk`)."""
+    """Per model of `MODELS`: the makespan over the busiest group's work (`play_walk`),
+    each task at its time under the model as the walks estimate it (`estimate`)."""
     labels = frozenset(e[1] for e in events if len(e) == 2)
     played = play_walk(events, num_groups, _model_times(labels).__getitem__, len(MODELS),
                        sends)
@@ -181,7 +142,8 @@ def walk_scores(events: Sequence[Event], num_groups: int,
 
 def walk_makespan(events: Sequence[Event], num_groups: int, latency: Mapping[str, float],
                   sends: str = "blocking") -> float:
-    """`makespan` of the program a walk emits, from its events (`play_walk`)."""
+    """The makespan of the program a walk emits (`play_walk`), each Run taking its
+    task's time in `latency`."""
     return play_walk(events, num_groups, lambda label: (latency.get(label, 0.0),), 1,
                      sends)[0][0]
 
@@ -189,14 +151,6 @@ def walk_makespan(events: Sequence[Event], num_groups: int, latency: Mapping[str
 def _ratio(makespan: float, busiest: float) -> float:
     """A score: the makespan over the busiest group's work (the makespan if no work)."""
     return makespan / busiest if busiest > 0 else makespan
-
-
-def scores(program: Program, sends: str = "blocking") -> tuple[float, ...]:
-    """Per model of `MODELS`: the makespan over the busiest group's work (`play`),
-    each task at its time under the model as the walks estimate it (`estimate`)."""
-    labels = frozenset(r.task for g in program.groups for r in g.instrs if type(r) is Run)
-    played = play(program, _model_times(labels).__getitem__, len(MODELS), sends)
-    return tuple(_ratio(*x) for x in played)
 
 
 @functools.lru_cache(maxsize=2)
@@ -208,7 +162,7 @@ def _model_times(labels: frozenset[str]) -> dict[str, tuple[float, ...]]:
 
 
 def dataflow_scores(graph: TaskGraph) -> tuple[float, ...]:
-    """Per model of `MODELS`, `scores`' ratio for the graph's own dataflow timeline.
+    """Per model of `MODELS`, `walk_scores`' ratio for the graph's own dataflow timeline.
 
     A task starts when its group has finished the task before it and every input it
     takes exists (messages free). No program running each group's tasks in the graph's
@@ -273,8 +227,3 @@ def measured_estimate(graph: TaskGraph, task_ms: Mapping[str, float]) -> dict[st
                     total += sum(mean.get(k, overall) for k in label_kinds(part))
             out[t.name] = total
     return out
-
-
-def makespan(program: Program, latency: Mapping[str, float], sends: str = "blocking") -> float:
-    """The makespan of `program` (`play`), each Run taking its task's time in `latency`."""
-    return play(program, lambda label: (latency.get(label, 0.0),), 1, sends)[0][0]

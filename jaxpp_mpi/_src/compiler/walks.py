@@ -175,11 +175,11 @@ class RoundWalk:
       exchange. Each group's events are its instructions in order, and the order is a
       rendezvous execution of the paired program, so playing the events (each Run
       adding its time to its group's clock, a message or exchange setting both clocks
-      to their maximum; with posted sends a message only its receiver's) gives the
-      program's play (`task_models.play`) bit for bit: the same additions and maxima
-      per group, and a clock depends only on its group's sequence and the clocks it
-      meets. So the lowering scores candidates from their events
-      (`task_models.play_walk`) and makes only the winner's program.
+      to their maximum; with posted sends a message only its receiver's) times the
+      program as playing it would (`rendezvous.play`, `simulate.posted_order`), bit
+      for bit: the same additions and maxima per group, and a clock depends only on
+      its group's sequence and the clocks it meets. So the lowering scores candidates
+      from their events (`task_models.play_walk`) and makes only the winner's program.
     """
 
     def __init__(self, graph: TaskGraph, index: WalkIndex | None = None):
@@ -415,7 +415,6 @@ class TimedWalk(RoundWalk):
         """
         groups, pending, time = self.groups, self.pending, self.time
         live = list(range(len(groups)))
-        self._ended = True
         while True:
             # A group with no task left and nothing owed to or by it never acts again;
             # only a group's last task or a delivery can end one (`_ended`).

@@ -7,6 +7,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import program_plays
 import pytest
 
 from jaxpp_mpi._src.compiler import lower, task_models, walks
@@ -588,7 +589,7 @@ def test_given_task_times_never_lose_and_approach_the_schedules_timeline(
     assert (t_tuned < t_default) == gains
     assert t_tuned <= own * within + 1e-9
     measured = task_models.measured_estimate(graph, task_ms)
-    assert task_models.makespan(tuned, measured) == pytest.approx(t_tuned)
+    assert program_plays.makespan(tuned, measured) == pytest.approx(t_tuned)
 
 
 def test_given_task_times_fill_missing_labels_by_kind():
@@ -614,8 +615,8 @@ def test_posted_play_times_as_the_simulator(name):
     program = build_program_with_names(graph, sends="posted")[0]
     for model in task_models.MODELS:
         times = task_models.estimate(graph, model)
-        ((makespan, _),) = task_models.play(program, lambda label, t=times: (t.get(label, 0.0),),
-                                       1, "posted")
+        ((makespan, _),) = program_plays.play(
+            program, lambda label, t=times: (t.get(label, 0.0),), 1, "posted")
         want = simulate(program, lambda run, t=times: t.get(run.task, 0.0), sends="posted")
         assert makespan == pytest.approx(want.makespan)
 

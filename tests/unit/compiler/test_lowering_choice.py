@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 
+import program_plays
 import pytest
 from test_lower import SCHEDULES, schedule_graph
 
@@ -22,13 +23,13 @@ def exhaustive_best(graph):
     reads without any shortcut: eligible if no worse than the round order under every
     model, the best mean wins, the earlier one on ties; its tags assigned."""
     rounds = lower._finish(walks.RoundWalk(graph))
-    base = task_models.scores(rounds[0])
+    base = program_plays.scores(rounds[0])
     best, best_mean = rounds, sum(base) / len(base)
     if all(x <= y + 1e-9 for x, y in zip(base, task_models.dataflow_scores(graph))):
         return rounds
     estimates = [task_models.estimate(graph, m) for m in task_models.ESTIMATES]
     for candidate in map(lower._paired, lower._timed_walks(graph, estimates)):
-        scores = task_models.scores(candidate[0])
+        scores = program_plays.scores(candidate[0])
         mean = sum(scores) / len(scores)
         if all(x <= y + 1e-9 for x, y in zip(scores, base)) and mean < best_mean - 1e-9:
             best, best_mean = candidate, mean
@@ -51,14 +52,14 @@ def test_dataflow_scores_bound_every_candidate():
     candidates = [lower._finish(walks.RoundWalk(graph)),
                   *map(lower._paired, lower._timed_walks(graph, estimates))]
     for program, _ in candidates:
-        assert all(x >= y - 1e-9 for x, y in zip(task_models.scores(program), bound))
+        assert all(x >= y - 1e-9 for x, y in zip(program_plays.scores(program), bound))
 
 
 @pytest.mark.parametrize("name", sorted(SCHEDULES))
 @pytest.mark.parametrize("sends", ["blocking", "posted"])
 def test_a_walks_events_play_as_its_program(name, sends):
     """Scores and makespans from the events (`Note: walk events`) equal, bit for bit,
-    those of the program the walk emits, played by `task_models.play`."""
+    those of the program the walk emits, played by `program_plays.play`."""
     graph = schedule_graph(SCHEDULES[name](4), 8)
     rng = random.Random(name)
     measured = {t.name: rng.uniform(0.1, 3.0) for ts in graph.tasks for t in ts}
@@ -70,8 +71,8 @@ def test_a_walks_events_play_as_its_program(name, sends):
         program, _ = lower._paired(walk)
         n = graph.num_groups
         assert (task_models.walk_scores(walk.events, n, sends)
-                == task_models.scores(program, sends))
+                == program_plays.scores(program, sends))
         assert (task_models.walk_makespan(walk.events, n, measured, sends)
-                == task_models.makespan(program, measured, sends))
+                == program_plays.makespan(program, measured, sends))
         played += 1
     assert played >= 2
