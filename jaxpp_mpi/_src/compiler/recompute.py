@@ -164,12 +164,19 @@ class _Residuals:
             self.needed.add(v)
             self._memo.clear()
 
+    def _order(self, v) -> tuple[int, int, int]:
+        """The order `shrink` tries residuals in: largest first, then by where the step
+        makes them (a Var's printed form holds its address, which differs between
+        processes: ranks would shrink differently)."""
+        p = self.producer[v]
+        return -_nbytes(v), p, self.eqns[p].outvars.index(v)
+
     def shrink(self) -> None:
         """Recomputes residuals, largest first, while that reads fewer bytes."""
         changed = True
         while changed:
             changed = False
-            for r in sorted(self.needed, key=lambda v: (-_nbytes(v), str(v))):
+            for r in sorted(self.needed, key=self._order):
                 p = self._copyable(r, _RECOMPUTE_DEPTH)
                 if p is not None and self._inputs_cost(p, _RECOMPUTE_DEPTH) < self._gain(p, r):
                     self.needed.difference_update(self.eqns[p].outvars)
