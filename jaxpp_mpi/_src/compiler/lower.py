@@ -44,10 +44,20 @@ def _paired(walk: RoundWalk) -> tuple[Program, BufferNames]:
 def _timed_walks(graph: TaskGraph, estimates: Iterable[Mapping[str, float]],
                  index: WalkIndex | None = None) -> Iterator[TimedWalk]:
     """The eager and the lazy timed walk under each estimate (per task name, its time),
-    run, each distinct order once (`Note: timed order`)."""
+    run, each distinct order once (`Note: timed order`).
+
+    A walk is a function of the graph, its estimate's times and `eager` alone, so an
+    estimate equal to an earlier one is not walked again (the models differ only in
+    the times of kinds of task a graph may lack: without I and W tasks, the second
+    and the fourth model give every task the same time).
+    """
     index = index if index is not None else WalkIndex(graph)
     seen: set[tuple[tuple[tuple[type[Instr], tuple], ...], ...]] = set()
+    walked: list[Mapping[str, float]] = []
     for estimate in estimates:
+        if any(estimate == other for other in walked):
+            continue
+        walked.append(estimate)
         for eager in (True, False):
             walk = TimedWalk(graph, estimate, eager, index)
             walk.run()
@@ -85,8 +95,8 @@ def _lower_measured(graph: TaskGraph, task_ms: Mapping[str, float],
 def _lower_best(graph: TaskGraph, sends: str = "blocking") -> tuple[Program, BufferNames]:
     """The best of the round order and the timed orders (`Note: timed order`).
 
-    The timed walks run eager and lazy under each estimate of `task_models.ESTIMATES`;
-    walks that give the same instructions are scored once. Candidates are scored by
+    The timed walks run eager and lazy under each distinct estimate of
+    `task_models.ESTIMATES`; walks that give the same instructions are scored once. Candidates are scored by
     `task_models.walk_scores` (their programs' scores, `Note: walk events`). A timed order
     is eligible only if it is no worse than the round order under every model; the
     eligible one with the best mean wins, the earlier one (the round order first) on
@@ -104,7 +114,7 @@ def _lower_best(graph: TaskGraph, sends: str = "blocking") -> tuple[Program, Buf
     best: RoundWalk = RoundWalk(graph, index)
     best.run()
     base = task_models.walk_scores(best.events, n, sends)
-    bound = task_models.dataflow_scores(graph)
+    bound = task_models.dataflow_scores(graph, index.order)
     if not _at_bound(base, bound):  # else: already the graph's own timeline
         best_mean = sum(base) / len(base)
         estimates = (task_models.estimate(graph, m) for m in task_models.ESTIMATES)

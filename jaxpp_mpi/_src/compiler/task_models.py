@@ -14,8 +14,8 @@ import operator
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
-from jaxpp_mpi._src.compiler.task_graph import TaskGraph
-from jaxpp_mpi._src.compiler.walks import Event
+from jaxpp_mpi._src.compiler.task_graph import TaskGraph, TaskNode
+from jaxpp_mpi._src.compiler.walks import Event, dataflow_order
 from jaxpp_mpi._src.schedules.tasks import parse_label
 
 __all__ = ["ESTIMATES", "MODELS", "TaskModel", "dataflow_scores", "estimate", "label_kinds",
@@ -78,9 +78,18 @@ def label_times(names: set[str], model: TaskModel) -> dict[str, float]:
 def label_times_models(names: Iterable[str], models: Sequence[TaskModel]
                        ) -> list[dict[str, float]]:
     """`label_times` under each of `models`, each label read once."""
-    names = list(names)
+    counts = _kind_counts(frozenset(names))
+    return [{name: sum(c * t for c, t in zip(count, model) if c)
+             for name, count in counts.items()} for model in models]
+
+
+@functools.lru_cache(maxsize=2)
+def _kind_counts(names: frozenset[str]) -> dict[str, tuple[int, int, int, int]]:
+    """Per name, its parts of each kind (`label_kinds`; a W part without its I task
+    counts as both); kept for the next call, as the lowering asks for a graph's task
+    times under each model in turn."""
     parts = {label for name in names for label in name.split("+")}
-    counts: dict[str, tuple[int, int, int, int]] = {}  # per name: its parts per kind
+    counts: dict[str, tuple[int, int, int, int]] = {}
     for name in names:
         count = [0, 0, 0, 0]
         for label in name.split("+"):
@@ -90,8 +99,7 @@ def label_times_models(names: Iterable[str], models: Sequence[TaskModel]
                 for k in label_kinds("I" + label[1:]):
                     count[k] += 1
         counts[name] = tuple(count)
-    return [{name: sum(c * t for c, t in zip(count, model) if c)
-             for name, count in counts.items()} for model in models]
+    return counts
 
 
 def play_walk(events: Sequence[Event], num_groups: int,
@@ -106,28 +114,34 @@ def play_walk(events: Sequence[Event], num_groups: int,
     has reached it and its sender had. `times(label)` gives a task's time in each of
     the `k` sets.
     """
-    now = [[0.0] * num_groups for _ in range(k)]
-    busy = [[0.0] * num_groups for _ in range(k)]
-    cache: dict[str, tuple[float, ...]] = {}
-    posted = sends == "posted"
+    per_label: dict[str, tuple[float, ...]] = {}
     for e in events:
-        if len(e) == 2:
-            g, label = e
-            ts = cache.get(label)
-            if ts is None:
-                ts = cache[label] = times(label)
-            for clock, work, t in zip(now, busy, ts):
+        if len(e) == 2 and e[1] not in per_label:
+            per_label[e[1]] = times(e[1])
+    posted = sends == "posted"
+    out = []
+    for m in range(k):  # one set of times at a time: a tight loop per event
+        latency = {label: ts[m] for label, ts in per_label.items()}
+        clock = [0.0] * num_groups
+        work = [0.0] * num_groups
+        for e in events:
+            if len(e) == 2:
+                g = e[0]
+                t = latency[e[1]]
                 clock[g] += t
                 work[g] += t
-        elif posted and not e[2]:  # the sender went on when it posted the send
-            a, b = e[0], e[1]
-            for clock in now:
-                clock[b] = max(clock[b], clock[a])
-        else:
-            a, b = e[0], e[1]
-            for clock in now:
-                clock[a] = clock[b] = max(clock[a], clock[b])
-    return [(max(clock, default=0.0), max(work, default=0.0)) for clock, work in zip(now, busy)]
+            elif posted and not e[2]:  # the sender went on when it posted the send
+                a, b = e[0], e[1]
+                if clock[a] > clock[b]:
+                    clock[b] = clock[a]
+            else:
+                a, b = e[0], e[1]
+                if clock[a] > clock[b]:
+                    clock[b] = clock[a]
+                else:
+                    clock[a] = clock[b]
+        out.append((max(clock, default=0.0), max(work, default=0.0)))
+    return out
 
 
 def walk_scores(events: Sequence[Event], num_groups: int,
@@ -161,40 +175,36 @@ def _model_times(labels: frozenset[str]) -> dict[str, tuple[float, ...]]:
     return {label: tuple(t.get(label, 0.0) for t in per_model) for label in labels}
 
 
-def dataflow_scores(graph: TaskGraph) -> tuple[float, ...]:
+def dataflow_scores(graph: TaskGraph, order: Sequence[TaskNode] | None = None
+                    ) -> tuple[float, ...]:
     """Per model of `MODELS`, `walk_scores`' ratio for the graph's own dataflow timeline.
 
     A task starts when its group has finished the task before it and every input it
     takes exists (messages free). No program running each group's tasks in the graph's
     order does better, so a round order at this bound under every model needs no
-    timed walk.
+    timed walk. The tasks are timed in `order` (`walks.dataflow_order`'s, given or
+    found), where each comes after everything it waits for.
     """
-    estimates = label_times_models({t.name for ts in graph.tasks for t in ts}, MODELS)
     k = len(MODELS)
     zero = (0.0,) * k
+    if order is None:
+        order, complete = dataflow_order(graph)
+        if not complete:  # cannot happen for a graph the lowering walked
+            return zero
+    times = _model_times(frozenset(t.name for t in order))
     finish = {v: zero for v, _, _ in graph.inputs}  # value -> its time under each model
     free = [zero] * graph.num_groups
     busy = [zero] * graph.num_groups
-    nxt = [0] * graph.num_groups
-    left = sum(len(ts) for ts in graph.tasks)
-    while left:
-        progressed = False
-        for g, ts in enumerate(graph.tasks):
-            clock, work = free[g], busy[g]
-            while nxt[g] < len(ts) and all(v in finish for v in ts[nxt[g]].ins):
-                task = ts[nxt[g]]
-                times = [e[task.name] for e in estimates]
-                start = map(max, clock, *(finish[v] for v in task.ins)) if task.ins else clock
-                clock = tuple(map(operator.add, start, times))
-                work = tuple(map(operator.add, work, times))
-                for v in task.outs:
-                    finish[v] = clock
-                nxt[g] += 1
-                left -= 1
-                progressed = True
-            free[g], busy[g] = clock, work
-        if not progressed:  # cannot happen for a graph the lowering walked
-            return tuple(0.0 for _ in MODELS)
+    add = operator.add
+    for task in order:
+        g, ts = task.group, times[task.name]
+        clock = free[g]
+        if task.ins:
+            clock = tuple(map(max, clock, *map(finish.__getitem__, task.ins)))
+        free[g] = clock = tuple(map(add, clock, ts))
+        busy[g] = tuple(map(add, busy[g], ts))
+        for v in task.outs:
+            finish[v] = clock
     return tuple(_ratio(max((c[m] for c in free), default=0.0),
                         max((w[m] for w in busy), default=0.0)) for m in range(k))
 

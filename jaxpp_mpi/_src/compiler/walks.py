@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from typing import NamedTuple
 
 from jaxpp_mpi._src.compiler.task_graph import TaskGraph, TaskNode, Value
 from jaxpp_mpi._src.ir.program import (
@@ -18,7 +19,7 @@ from jaxpp_mpi._src.ir.program import (
     Send,
 )
 
-__all__ = ["BufferNames", "Event", "RoundWalk", "TimedWalk", "WalkIndex"]
+__all__ = ["BufferNames", "Event", "RoundWalk", "TimedWalk", "WalkIndex", "dataflow_order"]
 
 BufferNames = tuple[dict[int, Value], ...]  # per group: buffer id -> value name
 # One event of a walk (`Note: walk events`): (group, task name) for a Run, (sender,
@@ -26,8 +27,7 @@ BufferNames = tuple[dict[int, Value], ...]  # per group: buffer id -> value name
 Event = tuple[int, str] | tuple[int, int, bool]
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Message:
+class _Message(NamedTuple):
     """One transfer of `value` from group `src` to group `dst`."""
 
     value: Value
@@ -43,15 +43,23 @@ class _Group:
     # the instructions as (class, arguments), made only for the kept walk's program
     instrs: list[tuple[type[Instr], tuple]] = dataclasses.field(default_factory=list)
     bufs: dict[Value, int] = dataclasses.field(default_factory=dict)  # value -> live buffer
-    names: dict[int, Value] = dataclasses.field(default_factory=dict)  # buffer -> value
+    names: list[Value] = dataclasses.field(default_factory=list)  # buffer id -> value
     pos: int = 0  # index of the next task
 
     def define(self, v: Value) -> int:
         """A fresh buffer for `v`; ids count up in order of definition."""
         b = len(self.names)
         self.bufs[v] = b
-        self.names[b] = v
+        self.names.append(v)
         return b
+
+    def define_all(self, vs: tuple[Value, ...]) -> tuple[int, ...]:
+        """Fresh buffers for `vs`, in order (`define` for each in turn)."""
+        first = len(self.names)
+        ids = tuple(range(first, first + len(vs)))
+        self.bufs.update(zip(vs, ids))
+        self.names.extend(vs)
+        return ids
 
     @property
     def next_task(self) -> TaskNode | None:
@@ -66,6 +74,37 @@ class _Group:
         """Whether there is a next task and all its inputs are present on this group."""
         return self.pos < len(self.tasks) and all(map(self.bufs.__contains__,
                                                       self.tasks[self.pos].ins))
+
+
+def dataflow_order(graph: TaskGraph) -> tuple[list[TaskNode], bool]:
+    """Every task, each after the task before it on its group and after the tasks making
+    its inputs, and whether that order exists.
+
+    The groups are swept in turn, each running its tasks while their inputs exist (the
+    dataflow's own order; `WalkIndex.tails` and `task_models.dataflow_scores` read it).
+    A task order with a cycle across groups has none: the tasks left when the sweep
+    stops follow in their groups' order, and the flag is False (the walks then stop,
+    naming the stuck tasks).
+    """
+    have = {v for v, _, _ in graph.inputs}
+    pos = [0] * graph.num_groups
+    order: list[TaskNode] = []
+    left = sum(map(len, graph.tasks))
+    while left:
+        before = left
+        for g, ts in enumerate(graph.tasks):
+            i, end = pos[g], len(ts)
+            while i < end and all(map(have.__contains__, ts[i].ins)):
+                order.append(ts[i])
+                have.update(ts[i].outs)
+                i += 1
+            left -= i - pos[g]
+            pos[g] = i
+        if left == before:
+            for g, ts in enumerate(graph.tasks):
+                order.extend(ts[pos[g]:])
+            return order, False
+    return order, True
 
 
 class WalkIndex:
@@ -100,51 +139,40 @@ class WalkIndex:
         remote = self.remote
         self.sent = {t.name: tuple(v for v in t.outs if v in remote)
                      for ts in graph.tasks for t in ts}
-        self._post_order: list[str] | None = None
-        self._succ: dict[str, set[str]] = {}
+        self._order: list[TaskNode] | None = None
         self._tails: list[tuple[Mapping[str, float], dict[str, float]]] = []
+
+    @property
+    def order(self) -> list[TaskNode]:
+        """Every task in `dataflow_order`'s order, computed once."""
+        if self._order is None:
+            self._order, _ = dataflow_order(self.graph)
+        return self._order
 
     def tails(self, latency: Mapping[str, float]) -> dict[str, float]:
         """Per task: the longest path from its start to the end of the step, each task
-        taking its time in `latency` (along group order and data)."""
+        taking its time in `latency` (along group order and data).
+
+        Tasks are visited in `order` reversed, so every successor of a task (the next
+        task on its group, the readers of its outputs) is done before it; `longest`
+        keeps, per value, the longest tail of its readers so far.
+        """
         for seen, tail in self._tails:
             if seen is latency:
                 return tail
-        if self._post_order is None:
-            self._order_tasks()
-        succ, tail = self._succ, {}
-        for x in self._post_order:  # successors first: a max is exact in any order
-            tail[x] = latency[x] + max((tail[y] for y in succ[x]), default=0.0)
+        tail: dict[str, float] = {}
+        longest: dict[Value, float] = {}
+        after: list[float | None] = [None] * self.graph.num_groups  # the group's next task's
+        for t in reversed(self.order):
+            succ = [longest[v] for v in t.outs if v in longest]
+            if after[t.group] is not None:
+                succ.append(after[t.group])
+            x = tail[t.name] = after[t.group] = latency[t.name] + max(succ, default=0.0)
+            for v in t.ins:
+                if v not in longest or longest[v] < x:
+                    longest[v] = x
         self._tails.append((latency, tail))
         return tail
-
-    def _order_tasks(self) -> None:
-        """The task successors, and an order placing every task after its successors."""
-        graph = self.graph
-        producer = {v: t.name for ts in graph.tasks for t in ts for v in t.outs}
-        succ: dict[str, set[str]] = {t.name: set() for ts in graph.tasks for t in ts}
-        for ts in graph.tasks:
-            for a, b in zip(ts, ts[1:]):
-                succ[a.name].add(b.name)
-            for t in ts:
-                for v in t.ins:
-                    if v in producer and producer[v] != t.name:
-                        succ[producer[v]].add(t.name)
-        order: list[str] = []
-        done: set[str] = set()
-        for root in succ:  # iterative post-order: the task graph is acyclic once it lowers
-            stack = [(root, False)]
-            while stack:
-                x, expanded = stack.pop()
-                if x in done:
-                    continue
-                if expanded:
-                    done.add(x)
-                    order.append(x)
-                else:
-                    stack.append((x, True))
-                    stack.extend((y, False) for y in succ[x] if y not in done)
-        self._succ, self._post_order = succ, order
 
 
 class RoundWalk:
@@ -213,9 +241,15 @@ class RoundWalk:
         gs = self.groups[g]
         if not gs.ready():
             return False
+        self.available.update(self._run(g, gs))
+        return True
+
+    def _run(self, g: int, gs: _Group) -> tuple[Value, ...]:
+        """Runs group g's next task, whose inputs are all present; returns its outputs."""
         t = gs.tasks[gs.pos]
-        if t.donate:  # a donated buffer dies in the task: send it to its other consumers first
-            undelivered = self.undelivered
+        undelivered = self.undelivered
+        if t.donate and any(map(undelivered.get, t.donate)):
+            # a donated buffer dies in the task: send it to its other consumers first
             early = [
                 _Message(v, g, dst)
                 for v in t.donate
@@ -224,18 +258,13 @@ class RoundWalk:
             ]
             if early:
                 self._deliver(early)
-        bufs, names = gs.bufs, gs.names
+        bufs = gs.bufs
         ins = tuple(map(bufs.__getitem__, t.ins))
-        donate = tuple(map(bufs.pop, t.donate))
-        first = len(names)  # `_Group.define` for each output in turn
-        outs = tuple(range(first, first + len(t.outs)))
-        bufs.update(zip(t.outs, outs))
-        names.update(zip(outs, t.outs))
-        gs.instrs.append((Run, (t.exe, ins, outs, t.name, donate)))
+        donate = tuple(map(bufs.pop, t.donate)) if t.donate else ()
+        gs.instrs.append((Run, (t.exe, ins, gs.define_all(t.outs), t.name, donate)))
         self.events.append((g, t.name))
-        self.available.update(t.outs)
         gs.pos += 1
-        return True
+        return t.outs
 
     def _needed(self) -> list[_Message]:
         """Messages whose receiver's next task waits for them and whose value exists."""
@@ -250,21 +279,31 @@ class RoundWalk:
         """Appends `messages` as joint events, opposite ones as exchanges.
 
         Channels between a pair of groups are visited in sorted order; within a channel,
-        messages keep their order. The k-th message of lo->hi is paired with the k-th of
-        hi->lo into an exchange (`_exchange`); the rest become Send/Recv.
+        messages keep their order (`_deliver_pair`).
         """
-        by_pair: dict[tuple[int, int], tuple[list[_Message], list[_Message]]] = {}
+        by_pair: dict[tuple[int, int], list[_Message]] = {}
         for m in messages:
-            lo, hi = sorted((m.src, m.dst))
-            by_pair.setdefault((lo, hi), ([], []))[m.src != lo].append(m)
+            key = (m.src, m.dst) if m.src < m.dst else (m.dst, m.src)
+            by_pair.setdefault(key, []).append(m)
         for key in sorted(by_pair):
-            up, down = by_pair[key]
-            for k in range(max(len(up), len(down))):
-                if k < len(up) and k < len(down):
-                    self._exchange(up[k], down[k])
-                else:
-                    self._send((up if k < len(up) else down)[k])
+            self._deliver_pair(key[0], by_pair[key])
         return bool(messages)
+
+    def _deliver_pair(self, lo: int, messages: list[_Message]) -> None:
+        """Appends `messages`, all between group `lo` and one other group, in order: the
+        k-th message from `lo` is paired with the k-th towards it into an exchange
+        (`_exchange`); the rest become Send/Recv."""
+        up = [m for m in messages if m.src == lo]
+        if len(up) == len(messages) or not up:
+            for m in messages:
+                self._send(m)
+            return
+        down = [m for m in messages if m.src != lo]
+        for k in range(max(len(up), len(down))):
+            if k < len(up) and k < len(down):
+                self._exchange(up[k], down[k])
+            else:
+                self._send((up if k < len(up) else down)[k])
 
     def _take(self, m: _Message) -> tuple[int, int]:
         """(sender's buffer, receiver's fresh buffer) of `m`; marks `m` delivered."""
@@ -309,10 +348,10 @@ class RoundWalk:
         for g, gs in enumerate(self.groups):
             inputs = [(self.input_bufs[v], k) for v, h, k in self.graph.inputs if h == g]
             outputs = [(gs.bufs[v], k) for v, k in self.graph.outputs if self.prod[v] == g]
-            avals = dict(zip(gs.names, map(self.graph.avals.__getitem__, gs.names.values())))
+            avals = dict(enumerate(map(self.graph.avals.__getitem__, gs.names)))
             instrs = tuple(make(*args) for make, args in gs.instrs)
             groups.append(GroupProgram(g, inputs, instrs, outputs, avals))
-        return Program(tuple(groups)), tuple(dict(gs.names) for gs in self.groups)
+        return Program(tuple(groups)), tuple(dict(enumerate(gs.names)) for gs in self.groups)
 
 
 class TimedWalk(RoundWalk):
@@ -387,15 +426,20 @@ class TimedWalk(RoundWalk):
         """Delivers `messages` pair by pair (sorted), in the order receivers need them."""
         by_pair: dict[tuple[int, int], list[_Message]] = {}
         for m in messages:
-            by_pair.setdefault((min(m.src, m.dst), max(m.src, m.dst)), []).append(m)
-        for (a, b), ms in sorted(by_pair.items()):
-            ms.sort(key=lambda m: (self.first_use[m.dst][m.value], m.value, m.dst))
-            self._deliver(ms)
+            key = (m.src, m.dst) if m.src < m.dst else (m.dst, m.src)
+            by_pair.setdefault(key, []).append(m)
+        pending, time, first_use = self.pending, self.time, self.first_use
+        for a, b in sorted(by_pair):
+            ms = by_pair[a, b]
+            if len(ms) > 1:
+                ms.sort(key=lambda m: (first_use[m.dst][m.value], m.value, m.dst))
+            self._deliver_pair(a, ms)
+            owed_a, owed_b = pending[a], pending[b]
             for m in ms:
-                del self.pending[m.src][(m.value, m.dst)], self.pending[m.dst][(m.value, m.dst)]
-            if not (self.pending[a] and self.pending[b]):
+                del owed_a[m.value, m.dst], owed_b[m.value, m.dst]
+            if not (owed_a and owed_b):
                 self._ended = True
-            self.time[a] = self.time[b] = max(self.time[a], self.time[b])
+            time[a] = time[b] = max(time[a], time[b])
 
     def _takes_now(self, m: _Message) -> bool:
         """Whether m's receiver, idle, should take m now (see `Note: timed order`)."""
@@ -438,40 +482,43 @@ class TimedWalk(RoundWalk):
         t, gs = time[g], self.groups[g]
         owes = self.pending[g]  # keyed by (value, receiver): sorted by value, then receiver
         pending = [owes[k] for k in sorted(owes)] if owes else []
-        here = [
-            m
-            for m in pending
-            if time[m.src if m.dst == g else m.dst] <= t and self._takes_now(m)
-        ]
-        if here:
-            self._deliver_timed(here)
-            return True
-        if gs.ready():
-            task = gs.tasks[gs.pos]
-            owed = [m for m in pending if m.src == g and time[m.dst] > t]
-            forced = [m.dst for m in owed if m.value in task.donate]
-            wait = [self.time[h] for h in forced] or [
-                self.time[m.dst] for m in owed if self._worth_waiting(m, task, t)
-            ]
-            if wait:
-                self.time[g] = min(wait)
+        if pending:
+            if self.eager:
+                here = [m for m in pending if time[m.src if m.dst == g else m.dst] <= t]
+            else:
+                here = [m for m in pending
+                        if time[m.src if m.dst == g else m.dst] <= t and self._takes_now(m)]
+            if here:
+                self._deliver_timed(here)
                 return True
-            # A donated value owed to an idle peer that did not take it yet (`_takes_now`)
-            # goes now, before its task consumes it.
-            donated = [m for m in pending if m.src == g and m.value in task.donate]
-            if donated:
-                self._deliver_timed(donated)
-                return True
-            self._run_task(g)  # makes task.outs available
+        pos = gs.pos
+        if pos < len(gs.tasks) and all(map(gs.bufs.__contains__, gs.tasks[pos].ins)):
+            task = gs.tasks[pos]
+            if pending:
+                owed = [m for m in pending if m.src == g and time[m.dst] > t]
+                forced = [m.dst for m in owed if m.value in task.donate]
+                wait = [time[h] for h in forced] or [
+                    time[m.dst] for m in owed if self._worth_waiting(m, task, t)
+                ]
+                if wait:
+                    time[g] = min(wait)
+                    return True
+                # A donated value owed to an idle peer that did not take it yet
+                # (`_takes_now`) goes now, before its task consumes it.
+                donated = [m for m in pending if m.src == g and m.value in task.donate]
+                if donated:
+                    self._deliver_timed(donated)
+                    return True
+            self._run(g, gs)  # the timed walk keeps no `available`: `pending` serves
             if gs.pos == len(gs.tasks):
                 self._ended = True
             for v in self.index.sent[task.name]:  # the outputs some other group reads
                 self._owe(v)
-            self.time[g] = t + self.latency[task.name]
+            time[g] = t + self.latency[task.name]
             return True
-        later = [self.time[h] for h in live if self.time[h] > t]
+        later = [time[h] for h in live if time[h] > t]
         if later:
-            self.time[g] = min(later)
+            time[g] = min(later)
             return True
         return False
 
