@@ -49,9 +49,8 @@ def _schedule_order(
         entries = schedule.tasks(n)
     except ValueError as e:  # ScheduleError is a ValueError
         raise CompileError(f"the schedule rejects {n} microbatches: {e}") from e
-    present = {t.key for t in split.tasks}
     partial = schedule.is_partial_bwd
-    seen: set[tuple[TaskKey, int]] = set()
+    seen: dict[TaskKey, set[int]] = {t.key: set() for t in split.tasks}  # microbatches
     order: list[list[tuple[TaskKey, int]]] = []
     for g, group_entries in enumerate(entries):
         mine = []
@@ -63,15 +62,16 @@ def _schedule_order(
                         f"stage {task.stage_id} on group {stage_group[task.stage_id]}"
                     )
                 for key in _keys_of(task.type, task.stage_id, partial):
-                    if key not in present:
+                    runs = seen.get(key)
+                    if runs is None:  # an empty task of the split body
                         continue
-                    if (key, task.microbatch) in seen:
+                    if task.microbatch in runs:
                         raise CompileError(f"{schedule!r} runs task {task} twice")
-                    seen.add((key, task.microbatch))
+                    runs.add(task.microbatch)
                     mine.append((key, task.microbatch))
         order.append(mine)
-    by_letter = sorted(present, key=lambda key: (key[0].value, key[1]))
-    missing = [(key, m) for key in by_letter for m in range(n) if (key, m) not in seen]
+    by_letter = sorted(seen, key=lambda key: (key[0].value, key[1]))
+    missing = [(key, m) for key in by_letter for m in range(n) if m not in seen[key]]
     if missing:
         (kind, stage), m = missing[0]
         raise CompileError(
@@ -169,8 +169,10 @@ def loop_order(split: SplitBody, homes: LoopHomes, schedule: BaseSchedule,
                  if split.body_outputs[k][0] == "val"}
         by_key[a] = fuse_tasks(by_key[a], by_key.pop(b), keep)
         hosted[a] = hosted.get(a, []) + hosted.pop(b, [])
-    order = [[(key, m) for key, m in group_order if key not in fused.values()]
-             for group_order in order]
+    if fused:
+        gone = tuple(fused.values())
+        order = [[(key, m) for key, m in group_order if key not in gone]
+                 for group_order in order]
     read_by_tasks = {ref[1] for t in by_key.values() for ref in t.ins if ref[0] == "val"}
     runs: dict[TaskKey, list[int]] = {}  # microbatches of each key in execution order
     for group_order in order:

@@ -354,49 +354,131 @@ def _loop_exes(lo: LoopOrder, plans: Sequence[Mapping[TaskKey, _KeyPlan]],
     return out
 
 
+class _ValueNames(dict):
+    """Body value name -> its value of each microbatch `m` in range(n), `f"{name}@{m}"`
+    (`Note: loop tasks`), each string made once: the nodes and the avals hold one string
+    per value, which dict look-ups downstream then match by identity."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.n = n
+
+    def __missing__(self, name: str) -> list[Value]:
+        names = self[name] = [f"{name}@{m}" for m in range(self.n)]
+        return names
+
+
+class _NodeForm(NamedTuple):
+    """What every microbatch's node of one key on one group shares: its label, inputs
+    and outputs less the microbatch's part (`_loop_nodes`)."""
+
+    plan: _KeyPlan
+    runs: list[int]  # the key's microbatches in run order
+    label: str  # its label with '{0}' for the microbatch
+    ins: list[Value | None]  # the plain inputs; None: filled in per microbatch
+    # per body value read: (position, its name, its value per microbatch)
+    reads: list[tuple[int, str, list[Value]]]
+    index_ins: list[int]  # the positions of the microbatch index
+    # per exported task output: (its name, its value per microbatch)
+    exports: list[tuple[str, list[Value]]]
+    acc: list[str]  # 'acc<k>@' of each hosted body output
+    finals: list[Value]  # the loop output of each hosted body output
+    acc_avals: list[Aval]  # the aval of each one's state
+    prev: dict[int, int]  # microbatch -> the one the key ran before it
+    states: dict[int, list[Value]]  # microbatch -> the states its node made (filled in)
+
+
+def _node_form(lo: LoopOrder, plan: _KeyPlan, key: TaskKey, g: int,
+               inv_value: Callable[[int, int], Value], out_values: Sequence[Value],
+               acc_avals: Sequence[Aval], values: _ValueNames) -> _NodeForm:
+    """The `_NodeForm` of `key` on group `g`."""
+    ins: list[Value | None] = []
+    reads: list[tuple[int, str, list[Value]]] = []
+    index_ins: list[int] = []
+    for ref in plan.task.ins:
+        if ref[0] == "mb":
+            index_ins.append(len(ins))
+        elif ref[0] == "inv":
+            ins.append(inv_value(ref[1], g))
+            continue
+        else:
+            reads.append((len(ins), ref[1], values[ref[1]]))
+        ins.append(None)
+    for v in plan.extra:
+        if v is None:
+            index_ins.append(len(ins))
+        ins.append(v)
+    if plan.with_index:
+        index_ins.append(len(ins))
+        ins.append(None)
+    ks = plan.hosted
+    runs = lo.runs[key]
+    kinds = (key[0], *((lo.fused[key][0],) if key in lo.fused else ()))
+    # `task_label` of the parts with microbatch '{0}', for str.format to fill in: the
+    # labels stay `task_label`'s (`Note: task labels` in schedules/tasks.py).
+    label = task_label(tuple(Task(key[1], "{0}", kind) for kind in kinds))
+    exports = [(plan.task.outs[j], values[plan.task.outs[j]]) for j in plan.export]
+    return _NodeForm(
+        plan, runs, label, ins, reads, index_ins, exports, [f"acc{k}@" for k in ks],
+        [out_values[k] for k in ks], [acc_avals[k] for k in ks],
+        dict(zip(runs[1:], runs[:-1])), {})
+
+
 def _loop_nodes(lo: LoopOrder, split: SplitBody, plans: Sequence[Mapping[TaskKey, _KeyPlan]],
                 acc_avals: Sequence[Aval], inv_value: Callable[[int, int], Value],
                 out_values: Sequence[Value]) -> LoopTasks:
     """Every microbatch's task node, the avals of the values they pass and the
     microbatch indexes they read (`LoopTasks` less its executables)."""
     n = lo.num_microbatches
-    result = LoopTasks([[] for _ in range(lo.num_groups)], [{} for _ in range(lo.num_groups)],
-                       {}, {})
+    values = _ValueNames(n)
+    avals: dict[Value, Aval] = {}
     for name, aval in split.value_avals.items():
         if name in lo.read_by_tasks:  # the others never leave their task's executable
-            value_aval = aval_of(aval)  # the same for every microbatch
-            result.avals.update((f"{name}@{m}", value_aval) for m in range(n))
+            avals.update(dict.fromkeys(values[name], aval_of(aval)))  # one for every m
+    result = LoopTasks([[] for _ in range(lo.num_groups)], [{} for _ in range(lo.num_groups)],
+                       avals, {})
+    mb_values = result.mb_values
 
-    def mb_value(m: int, g: int) -> Value:
-        return result.mb_values.setdefault((m, g), f"mb{m}g{g}")
-
-    prev_of = {key: dict(zip(ms[1:], ms[:-1])) for key, ms in lo.runs.items()}
     for g, group_order in enumerate(lo.order):
+        forms: dict[TaskKey, _NodeForm] = {}  # made at the key's first node
+        nodes = result.tasks[g]
         for key, m in group_order:
-            plan = plans[g][key]
-            kind, stage = key
-            ks = plan.hosted
-            first, last, exe = _variant(plan, lo.runs[key], m)
-            extra_ins = [mb_value(m, g) if v is None else v for v in plan.extra]
-            ins = [mb_value(m, g) if ref[0] == "mb" else inv_value(ref[1], g)
-                   if ref[0] == "inv" else f"{ref[1]}@{m}" for ref in plan.task.ins]
-            ins += extra_ins
-            if plan.with_index:
-                ins.append(mb_value(m, g))
-            prev = prev_of[key][m] if ks and not first else None
-            states_in = [] if first or not ks else [f"acc{k}@{prev}" for k in ks]
-            states_out = [out_values[k] if last else f"acc{k}@{m}" for k in ks]
-            for k, v in zip(ks, states_out):
-                result.avals[v] = acc_avals[k]
-            parts = [Task(stage, m, kind)] + ([Task(stage, m, lo.fused[key][0])]
-                                              if key in lo.fused else [])
-            result.tasks[g].append(TaskNode(
-                task_label(tuple(parts)), g, exe, (*ins, *states_in),
-                (*(f"{plan.task.outs[j]}@{m}" for j in plan.export), *states_out),
-                donate=tuple(states_in),
-            ))
-    for v in result.mb_values.values():
-        result.avals[v] = Aval((), "int32")
+            form = forms.get(key)
+            if form is None:
+                form = forms[key] = _node_form(lo, plans[g][key], key, g, inv_value,
+                                               out_values, acc_avals, values)
+            first, last, exe = _variant(form.plan, form.runs, m)
+            ins = form.ins.copy()
+            if type(m) is int and 0 <= m < n:  # its values' names are made
+                for i, _, names in form.reads:
+                    ins[i] = names[m]
+                outs = [names[m] for _, names in form.exports]
+            else:  # a schedule's microbatch out of range: named all the same
+                for i, name, _ in form.reads:
+                    ins[i] = f"{name}@{m}"
+                outs = [f"{name}@{m}" for name, _ in form.exports]
+            if form.index_ins:
+                index = mb_values.get((m, g))
+                if index is None:
+                    index = mb_values[m, g] = f"mb{m}g{g}"
+                for i in form.index_ins:
+                    ins[i] = index
+            states_in: list[Value] = []
+            if form.acc:
+                if not first:  # the states of the key's previous run, on this group
+                    states_in = form.states[form.prev[m]]
+                if last:
+                    states_out = form.finals
+                else:
+                    at = f"{m}"
+                    states_out = form.states[m] = [prefix + at for prefix in form.acc]
+                avals.update(zip(states_out, form.acc_avals))
+                outs += states_out
+            ins += states_in
+            nodes.append(TaskNode(form.label.format(m), g, exe, ins, outs, donate=states_in))
+    index_aval = Aval((), "int32")
+    for v in mb_values.values():
+        avals[v] = index_aval
     return result
 
 

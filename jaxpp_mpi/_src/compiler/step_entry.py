@@ -68,10 +68,11 @@ def _exe_avals(tasks: Sequence[Sequence[TaskNode]], avals: dict[Value, Aval]
                ) -> tuple[dict[str, ExeAvals], ...]:
     """Per group, executable name -> (input avals, output avals) of its first run."""
     out: list[dict[str, ExeAvals]] = [{} for _ in tasks]
-    for g, group_tasks in enumerate(tasks):
+    for group_tasks, exe_avals in zip(tasks, out):
         for t in group_tasks:
-            out[g].setdefault(
-                t.exe, (tuple(avals[v] for v in t.ins), tuple(avals[v] for v in t.outs)))
+            if t.exe not in exe_avals:
+                exe_avals[t.exe] = (tuple(avals[v] for v in t.ins),
+                                    tuple(avals[v] for v in t.outs))
     return tuple(out)
 
 

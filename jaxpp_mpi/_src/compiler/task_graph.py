@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from collections.abc import Mapping
 from types import MappingProxyType
+from typing import NoReturn
 
 from jaxpp_mpi._src.ir.program import Aval
 
@@ -41,21 +43,38 @@ class TaskNode:
     donate: tuple[Value, ...] = ()
 
     def __post_init__(self):
-        for field in ("name", "exe"):
-            text = getattr(self, field)
-            if not isinstance(text, str) or not _NO_SPACE.fullmatch(text):
-                raise ValueError(f"task {self.name!r}: bad {field} {text!r}")
-        object.__setattr__(self, "group", int(self.group))
-        for field in ("ins", "outs", "donate"):
-            object.__setattr__(self, field, tuple(getattr(self, field)))
-        if len(set(self.outs)) != len(self.outs):
-            raise ValueError(f"task {self.name}: an output value is repeated in {self.outs}")
-        for v in self.donate:
-            if self.ins.count(v) != 1 or self.donate.count(v) != 1:
-                raise ValueError(
-                    f"task {self.name}: donated value {v!r} must appear exactly once in ins "
-                    f"{self.ins} and once in donate {self.donate}"
-                )
+        # Field by field, in field order; each read and set once (a graph holds tens of
+        # thousands of nodes).
+        name, exe = self.name, self.exe
+        if not isinstance(name, str) or not _NO_SPACE.fullmatch(name):
+            raise ValueError(f"task {name!r}: bad name {name!r}")
+        if not isinstance(exe, str) or not _NO_SPACE.fullmatch(exe):
+            raise ValueError(f"task {name!r}: bad exe {exe!r}")
+        set_field = object.__setattr__
+        set_field(self, "group", int(self.group))
+        ins = tuple(self.ins)
+        set_field(self, "ins", ins)
+        outs = tuple(self.outs)
+        set_field(self, "outs", outs)
+        donate = tuple(self.donate)
+        set_field(self, "donate", donate)
+        if len(set(outs)) != len(outs):
+            raise ValueError(f"task {name}: an output value is repeated in {outs}")
+        if donate and not _once_each(ins, donate):
+            for v in donate:
+                if ins.count(v) != 1 or donate.count(v) != 1:
+                    raise ValueError(
+                        f"task {name}: donated value {v!r} must appear exactly once in "
+                        f"ins {ins} and once in donate {donate}"
+                    )
+
+
+def _once_each(ins: tuple[Value, ...], donate: tuple[Value, ...]) -> bool:
+    """Whether, plainly, each value of `donate` is once in `ins` and once in `donate`
+    (False may be wrong: then the caller checks value by value)."""
+    in_set = set(ins)
+    return (len(in_set) == len(ins) and len(set(donate)) == len(donate)
+            and in_set.issuperset(donate))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,25 +113,30 @@ class TaskGraph:
     def producers(self) -> dict[Value, tuple[int, str]]:
         """Maps each value to (group, task name) of its producer; task name '' = an input.
 
+        Found once per graph (a graph never changes: its fields are tuples, frozen nodes
+        and a read-only mapping); each call returns a new dict.
+
         Raises:
           ValueError: if a value is produced twice.
         """
+        return dict(self._producers)
+
+    @functools.cached_property
+    def _producers(self) -> dict[Value, tuple[int, str]]:
+        """`producers`' map, made once (cached_property writes the instance dict, which
+        a frozen dataclass allows; a call that raises caches nothing)."""
         out: dict[Value, tuple[int, str]] = {}
-
-        def add(v: Value, group: int, what: str) -> None:
-            if v in out:
-                g, t = out[v]
-                old = f"task {t} on group {g}" if t else f"an input of group {g}"
-                new = f"task {what} on group {group}" if what else f"an input of group {group}"
-                raise ValueError(f"value {v!r} is produced twice: by {old} and by {new}")
-            out[v] = (group, what)
-
         for v, g, _ in self.inputs:
-            add(v, g, "")
+            if v in out:
+                _produced_twice(v, out[v], (g, ""))
+            out[v] = (g, "")
         for ts in self.tasks:
             for t in ts:
+                made = (t.group, t.name)
                 for v in t.outs:
-                    add(v, t.group, t.name)
+                    if v in out:
+                        _produced_twice(v, out[v], made)
+                    out[v] = made
         return out
 
     def validate(self) -> None:
@@ -143,9 +167,9 @@ class TaskGraph:
                 raise ValueError(f"input index {k} is bound twice on group {g}")
             bindings.add((g, k))
         prod = self.producers()
-        for v in prod:
-            if v not in self.avals:
-                raise ValueError(f"value {v!r} has no aval")
+        if not prod.keys() <= self.avals.keys():  # name the first value without one
+            v = next(v for v in prod if v not in self.avals)
+            raise ValueError(f"value {v!r} has no aval")
         out_idx: set[int] = set()
         for v, k in self.outputs:
             if v not in prod:
@@ -161,6 +185,16 @@ class TaskGraph:
             _check_group_order(g, ts, prod, outputs, bound[g])
 
 
+def _produced_twice(v: Value, old: tuple[int, str], new: tuple[int, str]) -> NoReturn:
+    """Raises `producers`' error: `v` is produced by `old` and by `new` (group, task
+    name; task name '' = an input)."""
+
+    def by(group: int, task: str) -> str:
+        return f"task {task} on group {group}" if task else f"an input of group {group}"
+
+    raise ValueError(f"value {v!r} is produced twice: by {by(*old)} and by {by(*new)}")
+
+
 def _check_group_order(
     g: int, tasks: tuple[TaskNode, ...], prod: Mapping[Value, tuple[int, str]],
     outputs: set[Value], inputs: set[Value],
@@ -169,20 +203,37 @@ def _check_group_order(
     done: set[Value] = set(inputs)  # the values bound on g at the start
     donated: dict[Value, str] = {}
     for t in tasks:
-        for v in t.ins:
-            if v not in prod:
-                raise ValueError(f"task {t.name} on group {g}: input {v!r} is never produced")
-            if v in donated:
-                raise ValueError(
-                    f"task {t.name} on group {g} uses {v!r}, which task {donated[v]} donated"
-                )
-            h, p = prod[v]
-            if h == g and v not in done:
-                raise ValueError(
-                    f"task {t.name} on group {g} uses {v!r} before task {p} produces it there"
-                )
+        # A value in `done` is produced (`prod` has every input and every output) and
+        # ready; another one must come from another group. A task that reads a value
+        # otherwise, or a donated one, has its inputs checked one by one.
+        ins = t.ins
+        if donated and not donated.keys().isdisjoint(ins):
+            _check_uses(g, t, prod, done, donated)
+        for v in ins:
+            if v not in done:
+                made = prod.get(v)
+                if made is None or made[0] == g:
+                    _check_uses(g, t, prod, done, donated)
         for v in t.donate:
             if prod[v][0] == g and v in outputs:
                 raise ValueError(f"task {t.name} on group {g} donates step output {v!r}")
             donated[v] = t.name
         done.update(t.outs)
+
+
+def _check_uses(g: int, t: TaskNode, prod: Mapping[Value, tuple[int, str]],
+                done: set[Value], donated: Mapping[Value, str]) -> None:
+    """Raises on the first input of `t` (on group `g`) that is never produced, donated,
+    or produced on `g` but not yet (`done`: the values bound or made on `g` so far)."""
+    for v in t.ins:
+        if v not in prod:
+            raise ValueError(f"task {t.name} on group {g}: input {v!r} is never produced")
+        if v in donated:
+            raise ValueError(
+                f"task {t.name} on group {g} uses {v!r}, which task {donated[v]} donated"
+            )
+        h, p = prod[v]
+        if h == g and v not in done:
+            raise ValueError(
+                f"task {t.name} on group {g} uses {v!r} before task {p} produces it there"
+            )
