@@ -20,6 +20,7 @@ __all__ = [
     "Send",
     "SendRecv",
     "SpecEntry",
+    "instr_kind",
     "parse_instr",
     "program_spec",
 ]
@@ -30,12 +31,15 @@ _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _NO_SPACE = re.compile(r"\S+")
 
 
-def _set(obj: object, name: str, value: object) -> None:
-    object.__setattr__(obj, name, value)
+_set = object.__setattr__  # sets a field of a frozen instance (in __post_init__)
+_INT = frozenset({int})
 
 
 def _buf_ids(bufs: Iterable[int]) -> tuple[int, ...]:
-    out = tuple(map(int, bufs))
+    if type(bufs) is tuple and _INT.issuperset(map(type, bufs)):
+        out = bufs  # already what `tuple(map(int, bufs))` would give (built once)
+    else:
+        out = tuple(map(int, bufs))
     if out and min(out) < 0:
         raise ValueError(f"buffer ids must be >= 0, got {out}")
     return out
@@ -203,17 +207,21 @@ class Run:
     donate: tuple[int, ...] = ()
 
     def __post_init__(self):
-        if not isinstance(self.exe, str) or not _NO_SPACE.fullmatch(self.exe):
-            raise ValueError(f"bad executable name {self.exe!r}")
-        if not isinstance(self.task, str) or (self.task and not _NO_SPACE.fullmatch(self.task)):
-            raise ValueError(f"bad task label {self.task!r}")
-        _set(self, "ins", _buf_ids(self.ins))
+        exe, task = self.exe, self.task
+        if not isinstance(exe, str) or not _NO_SPACE.fullmatch(exe):
+            raise ValueError(f"bad executable name {exe!r}")
+        if not isinstance(task, str) or (task and not _NO_SPACE.fullmatch(task)):
+            raise ValueError(f"bad task label {task!r}")
+        ins = _buf_ids(self.ins)
+        _set(self, "ins", ins)
         _set(self, "outs", _buf_ids(self.outs))
         if self.donate:
-            donate = tuple(sorted(set(_buf_ids(self.donate))))
-            if not set(donate) <= set(self.ins):
-                raise ValueError(f"donated buffers {donate} are not all inputs of {self.exe}")
-            _set(self, "donate", donate)
+            donate = set(_buf_ids(self.donate))
+            if not donate.issubset(ins):
+                raise ValueError(
+                    f"donated buffers {tuple(sorted(donate))} are not all inputs of {exe}"
+                )
+            _set(self, "donate", tuple(sorted(donate)))
         else:
             _set(self, "donate", ())
 
@@ -235,9 +243,14 @@ class Send:
     tag: int
 
     def __post_init__(self):
-        _set(self, "buf", _buf_id(self.buf))
-        _set(self, "dst", int(self.dst))
-        _set(self, "tag", int(self.tag))
+        # Fields that are ints already (a buffer: >= 0) are kept: `_buf_id` and `int`
+        # would return them as they are.
+        buf = self.buf
+        if type(buf) is not int or buf < 0:
+            _set(self, "buf", _buf_id(buf))
+        if not type(self.dst) is type(self.tag) is int:
+            _set(self, "dst", int(self.dst))
+            _set(self, "tag", int(self.tag))
 
     def __str__(self) -> str:
         return f"send {_b(self.buf)} -> {self.dst} tag={self.tag}"
@@ -253,9 +266,12 @@ class Recv:
     aval: Aval
 
     def __post_init__(self):
-        _set(self, "buf", _buf_id(self.buf))
-        _set(self, "src", int(self.src))
-        _set(self, "tag", int(self.tag))
+        buf = self.buf  # as in `Send.__post_init__`
+        if type(buf) is not int or buf < 0:
+            _set(self, "buf", _buf_id(buf))
+        if not type(self.src) is type(self.tag) is int:
+            _set(self, "src", int(self.src))
+            _set(self, "tag", int(self.tag))
         if not isinstance(self.aval, Aval):
             raise TypeError(f"Recv.aval must be an Aval, got {self.aval!r}")
 
@@ -281,10 +297,15 @@ class SendRecv:
     aval: Aval
 
     def __post_init__(self):
-        _set(self, "send_buf", _buf_id(self.send_buf))
-        _set(self, "recv_buf", _buf_id(self.recv_buf))
-        for name in ("dst", "send_tag", "src", "recv_tag"):
-            _set(self, name, int(getattr(self, name)))
+        send_buf, recv_buf = self.send_buf, self.recv_buf  # as in `Send.__post_init__`
+        if type(send_buf) is not int or send_buf < 0:
+            _set(self, "send_buf", _buf_id(send_buf))
+        if type(recv_buf) is not int or recv_buf < 0:
+            _set(self, "recv_buf", _buf_id(recv_buf))
+        ints = (self.dst, self.send_tag, self.src, self.recv_tag)
+        if not _INT.issuperset(map(type, ints)):
+            for name, value in zip(("dst", "send_tag", "src", "recv_tag"), ints, strict=True):
+                _set(self, name, int(value))
         if not isinstance(self.aval, Aval):
             raise TypeError(f"SendRecv.aval must be an Aval, got {self.aval!r}")
 
@@ -350,6 +371,13 @@ class AllReduce:
 
 Instr = Union[Run, Send, Recv, SendRecv, Free, AllReduce]  # noqa: UP007 (a runtime alias)
 INSTR_TYPES = (Run, Send, Recv, SendRecv, Free, AllReduce)
+
+
+def instr_kind(cls: type) -> type | None:
+    """The one of `INSTR_TYPES` that `cls` is or derives from, else None. (No class
+    derives from two: their slots conflict.) `isinstance(instr, T)` for T in
+    `INSTR_TYPES` is `instr_kind(type(instr)) is T`."""
+    return next((t for t in INSTR_TYPES if issubclass(cls, t)), None)
 
 
 _BUF_LIST = re.compile(r"%[0-9]+(?:, %[0-9]+)*")

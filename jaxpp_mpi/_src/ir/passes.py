@@ -7,6 +7,7 @@ import dataclasses
 import re
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
+from itertools import repeat
 
 from jaxpp_mpi._src.ir.program import (
     REDUCE_OPS,
@@ -69,32 +70,39 @@ def match_messages(program: Program) -> Matching:
     Raises:
       ProgramError: kind 'unmatched', naming the first send or receive left over.
     """
-    sends: dict[tuple[int, int, int], list[Loc]] = defaultdict(list)
-    recvs: dict[tuple[int, int, int], list[Loc]] = defaultdict(list)
+    # per group, per peer: the indexes and tags of its send halves to that peer, and of
+    # its receive halves from that peer, in program order
+    sends: list[dict[int, tuple[list[int], list[int]]]] = []
+    recvs: list[dict[int, tuple[list[int], list[int]]]] = []
     for g in program.groups:
-        a = g.mpmd_idx
+        out: dict[int, tuple[list[int], list[int]]] = {}
+        inc: dict[int, tuple[list[int], list[int]]] = {}
         for i, instr in enumerate(g.instrs):
             kind = type(instr)
-            if kind is Send:
-                sends[(a, instr.dst, instr.tag)].append((a, i))
-            elif kind is Recv:
-                recvs[(instr.src, a, instr.tag)].append((a, i))
-            elif kind is SendRecv:
-                sends[(a, instr.dst, instr.send_tag)].append((a, i))
-                recvs[(instr.src, a, instr.recv_tag)].append((a, i))
+            if kind is Send or kind is SendRecv:
+                idx, tags = out.get(instr.dst) or out.setdefault(instr.dst, ([], []))
+                idx.append(i)
+                tags.append(instr.tag if kind is Send else instr.send_tag)
+            if kind is Recv or kind is SendRecv:
+                idx, tags = inc.get(instr.src) or inc.setdefault(instr.src, ([], []))
+                idx.append(i)
+                tags.append(instr.tag if kind is Recv else instr.recv_tag)
+        sends.append(out)
+        recvs.append(inc)
     n = program.num_groups
     recv_of: tuple[dict[int, Loc], ...] = tuple({} for _ in range(n))
     send_of: tuple[dict[int, Loc], ...] = tuple({} for _ in range(n))
     leftover: list[tuple[Loc, str, tuple[int, int, int], int, int]] = []
-    for key in sends.keys() | recvs.keys():
-        ss, rs = sends.get(key, []), recvs.get(key, [])
-        for s, r in zip(ss, rs, strict=False):
-            recv_of[s[0]][s[1]] = r
-            send_of[r[0]][r[1]] = s
-        if len(ss) > len(rs):
-            leftover.append((ss[len(rs)], "send", key, len(ss), len(rs)))
-        elif len(rs) > len(ss):
-            leftover.append((rs[len(ss)], "recv", key, len(ss), len(rs)))
+    channels = {(a, peer) for a, out in enumerate(sends) for peer in out}
+    channels.update((peer, a) for a, inc in enumerate(recvs) for peer in inc)
+    for src, dst in channels:
+        ss = sends[src].get(dst, ((), ())) if 0 <= src < n else ((), ())
+        rs = recvs[dst].get(src, ((), ())) if 0 <= dst < n else ((), ())
+        if ss[1] == rs[1]:  # the k-th of each tag is the k-th of the channel: pair in order
+            recv_of[src].update(zip(ss[0], zip(repeat(dst), rs[0])))
+            send_of[dst].update(zip(rs[0], zip(repeat(src), ss[0])))
+        else:
+            _match_tags(src, dst, ss, rs, recv_of, send_of, leftover)
     if leftover:
         (g, i), what, (src, dst, tag), n_send, n_recv = min(leftover)
         instr = program.groups[g].instrs[i]
@@ -107,6 +115,33 @@ def match_messages(program: Program) -> Matching:
             i,
         )
     return Matching(recv_of, send_of)
+
+
+def _match_tags(
+    src: int,
+    dst: int,
+    sends: tuple[Sequence[int], Sequence[int]],
+    recvs: tuple[Sequence[int], Sequence[int]],
+    recv_of: tuple[dict[int, Loc], ...],
+    send_of: tuple[dict[int, Loc], ...],
+    leftover: list[tuple[Loc, str, tuple[int, int, int], int, int]],
+) -> None:
+    """`match_messages` for the channel src -> dst, tag by tag: `sends` and `recvs` are
+    the (indexes, tags) of its send halves in group src and receive halves in group dst;
+    the first of each tag's sends or receives left over goes to `leftover`."""
+    by_tag: dict[int, tuple[list[int], list[int]]] = {}
+    for i, tag in zip(*sends, strict=True):
+        by_tag.setdefault(tag, ([], []))[0].append(i)
+    for j, tag in zip(*recvs, strict=True):
+        by_tag.setdefault(tag, ([], []))[1].append(j)
+    for tag, (ss, rs) in by_tag.items():
+        if ss and rs:  # then src and dst are groups
+            recv_of[src].update(zip(ss, zip(repeat(dst), rs)))
+            send_of[dst].update(zip(rs, zip(repeat(src), ss)))
+        if len(ss) > len(rs):
+            leftover.append(((src, ss[len(rs)]), "send", (src, dst, tag), len(ss), len(rs)))
+        elif len(rs) > len(ss):
+            leftover.append(((dst, rs[len(ss)]), "recv", (src, dst, tag), len(ss), len(rs)))
 
 
 def assign_tags(program: Program) -> Program:
@@ -129,27 +164,31 @@ def assign_tags(program: Program) -> Program:
     """
     n_sent: dict[tuple[int, int], int] = defaultdict(int)
     n_recv: dict[tuple[int, int], int] = defaultdict(int)
-
-    def next_tag(counter: dict[tuple[int, int], int], key: tuple[int, int]) -> int:
-        counter[key] += 1
-        return counter[key] - 1
-
     groups = []
     for g in program.groups:
         a, instrs = g.mpmd_idx, []
+        sent: dict[int, int] = defaultdict(int)  # dst -> sends to it so far
+        got: dict[int, int] = defaultdict(int)  # src -> receives from it so far
         for instr in g.instrs:
             kind = type(instr)
             if kind is Send:
-                instr = Send(instr.buf, instr.dst, next_tag(n_sent, (a, instr.dst)))
+                dst = instr.dst
+                instr = Send(instr.buf, dst, sent[dst])
+                sent[dst] += 1
             elif kind is Recv:
-                instr = Recv(instr.buf, instr.src, next_tag(n_recv, (instr.src, a)),
-                             instr.aval)
+                src = instr.src
+                instr = Recv(instr.buf, src, got[src], instr.aval)
+                got[src] += 1
             elif kind is SendRecv:
-                instr = SendRecv(instr.send_buf, instr.dst, next_tag(n_sent, (a, instr.dst)),
-                                 instr.recv_buf, instr.src, next_tag(n_recv, (instr.src, a)),
+                dst, src = instr.dst, instr.src
+                instr = SendRecv(instr.send_buf, dst, sent[dst], instr.recv_buf, src, got[src],
                                  instr.aval)
+                sent[dst] += 1
+                got[src] += 1
             instrs.append(instr)
-        groups.append(dataclasses.replace(g, instrs=tuple(instrs)))
+        groups.append(g.with_instrs(instrs))
+        n_sent.update(((a, dst), k) for dst, k in sent.items())
+        n_recv.update(((src, a), k) for src, k in got.items())
     for src, dst in sorted(n_sent.keys() | n_recv.keys()):
         if n_sent[(src, dst)] != n_recv[(src, dst)]:
             raise ProgramError(
@@ -184,28 +223,52 @@ def _writes(instr: Instr) -> tuple[int, ...]:
 def _add_frees(g: GroupProgram) -> GroupProgram:
     keep = {b for b, _ in g.outputs}
     last: dict[int, int] = {b: -1 for b, _ in g.inputs}  # live buffer -> its last use
-    frees_after: dict[int, list[int]] = defaultdict(list)
     for i, instr in enumerate(g.instrs):
-        for b in _reads(instr):
-            if b in last:
+        # per instruction: its reads, then the buffers it frees or donates, then its
+        # writes (`_reads`, `_writes`), written out for the exact instruction types
+        kind = type(instr)
+        if kind is Run:
+            for b in instr.ins:
+                if b in last:
+                    last[b] = i
+            for b in instr.donate:
+                last.pop(b, None)
+            for b in instr.outs:
                 last[b] = i
-        for b in instr.bufs if isinstance(instr, Free) else getattr(instr, "donate", ()):
-            last.pop(b, None)
-        for b in _writes(instr):
-            last[b] = i
+        elif kind is Send:
+            if instr.buf in last:
+                last[instr.buf] = i
+        elif kind is Recv:
+            last[instr.buf] = i
+        elif kind is Free:
+            for b in instr.bufs:
+                last.pop(b, None)
+        elif kind is SendRecv:
+            if instr.send_buf in last:
+                last[instr.send_buf] = i
+            last[instr.recv_buf] = i
+        else:  # AllReduce, or a subclass of an instruction type
+            for b in _reads(instr):
+                if b in last:
+                    last[b] = i
+            for b in instr.bufs if isinstance(instr, Free) else getattr(instr, "donate", ()):
+                last.pop(b, None)
+            for b in _writes(instr):
+                last[b] = i
+    frees_after: dict[int, list[int]] = defaultdict(list)
     for b, i in last.items():
         if b not in keep:
             frees_after[i].append(b)
     if not frees_after:
         return g
     instrs: list[Instr] = []
-    if -1 in frees_after:
-        instrs.append(Free(tuple(sorted(frees_after[-1]))))
-    for i, instr in enumerate(g.instrs):
-        instrs.append(instr)
-        if i in frees_after:
-            instrs.append(Free(tuple(sorted(frees_after[i]))))
-    return dataclasses.replace(g, instrs=tuple(instrs))
+    start = 0  # the next instruction to copy
+    for i in sorted(frees_after):
+        instrs.extend(g.instrs[start:i + 1])
+        instrs.append(Free(tuple(sorted(frees_after[i]))))
+        start = i + 1
+    instrs.extend(g.instrs[start:])
+    return g.with_instrs(instrs)
 
 
 def add_frees(program: Program) -> Program:
@@ -223,20 +286,6 @@ def add_frees(program: Program) -> Program:
       The program with Free instructions inserted.
     """
     return Program(tuple(_add_frees(g) for g in program.groups))
-
-
-def _next_non_free(instrs: tuple[Instr, ...], i: int) -> int:
-    i += 1
-    while i < len(instrs) and isinstance(instrs[i], Free):
-        i += 1
-    return i
-
-
-def _prev_non_free(instrs: tuple[Instr, ...], i: int) -> int:
-    i -= 1
-    while i >= 0 and isinstance(instrs[i], Free):
-        i -= 1
-    return i
 
 
 def pair_exchanges(program: Program) -> Program:
@@ -268,18 +317,23 @@ def pair_exchanges(program: Program) -> Program:
     pairs: list[dict[int, int]] = [{} for _ in program.groups]  # send index -> recv index
     for g in program.groups:
         a, instrs = g.mpmd_idx, g.instrs
+        recv_of, end = matching.recv_of[a], len(instrs)
         for i, send in enumerate(instrs):
             if not isinstance(send, Send) or send.dst == a:
                 continue
-            j = _next_non_free(instrs, i)
-            if j == len(instrs) or not isinstance(instrs[j], Recv):
+            j = i + 1  # the next instruction but a Free
+            while j < end and isinstance(instrs[j], Free):
+                j += 1
+            if j == end or not isinstance(instrs[j], Recv):
                 continue
             recv = instrs[j]
             if recv.src != send.dst or recv.buf == send.buf:
                 continue
-            b, b_recv = matching.recv_of[a][i]
+            b, b_recv = recv_of[i]
             b_instrs = program.groups[b].instrs
-            b_send = _prev_non_free(b_instrs, b_recv)
+            b_send = b_recv - 1  # the instruction before but a Free
+            while b_send >= 0 and isinstance(b_instrs[b_send], Free):
+                b_send -= 1
             if b_send < 0 or not isinstance(b_instrs[b_send], Send):
                 continue
             if not isinstance(b_instrs[b_recv], Recv) or matching.recv_of[b][b_send] != (a, j):
@@ -294,20 +348,18 @@ def pair_exchanges(program: Program) -> Program:
             groups.append(g)
             continue
         instrs: list[Instr] = []
-        i = 0
-        while i < len(g.instrs):
-            if i not in fuse:
-                instrs.append(g.instrs[i])
-                i += 1
-                continue
+        start = 0  # the next instruction to copy
+        for i in sorted(fuse):
             send, j = g.instrs[i], fuse[i]
             recv = g.instrs[j]
+            instrs.extend(g.instrs[start:i])
             instrs.append(
                 SendRecv(send.buf, send.dst, send.tag, recv.buf, recv.src, recv.tag, recv.aval)
             )
             instrs.extend(g.instrs[i + 1 : j])
-            i = j + 1
-        groups.append(dataclasses.replace(g, instrs=tuple(instrs)))
+            start = j + 1
+        instrs.extend(g.instrs[start:])
+        groups.append(g.with_instrs(instrs))
     return Program(tuple(groups))
 
 
@@ -441,7 +493,7 @@ def _add_reductions(
     for i, instr in enumerate(g.instrs):
         instrs.append(instr)
         instrs.extend(after.get(i, ()))
-    return dataclasses.replace(g, instrs=tuple(instrs))
+    return g.with_instrs(instrs)
 
 
 def add_replica_reductions(

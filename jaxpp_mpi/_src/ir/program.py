@@ -90,9 +90,38 @@ def _first(pair: tuple) -> object:
     return pair[0]
 
 
+_PAIR_TYPES = frozenset({tuple})
+_PAIR_LENS = frozenset({2})
+_INTS = frozenset({int})
+_KEY, _VALUE = operator.itemgetter(0), operator.itemgetter(1)
+
+
+def _sorted_pairs(items: tuple, value_type: type) -> bool:
+    """Whether `items` is a tuple of (int, `value_type`) 2-tuples, increasing in the int:
+    its own canonical form, then kept as it is (no new tuple per buffer)."""
+    if not (_PAIR_TYPES.issuperset(map(type, items)) and _PAIR_LENS.issuperset(map(len, items))):
+        return False
+    keys = list(map(_KEY, items))
+    return (
+        _INTS.issuperset(map(type, keys))
+        and all(map(operator.lt, keys, keys[1:]))
+        and {value_type}.issuperset(map(type, map(_VALUE, items)))
+    )
+
+
 def _pairs(pairs: Mapping[int, int] | Iterable[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
     items = pairs.items() if isinstance(pairs, Mapping) else pairs
     return tuple(sorted((int(b), int(k)) for b, k in items))
+
+
+def _instrs(mpmd_idx: int, instrs: Iterable[Instr]) -> tuple[Instr, ...]:
+    """`instrs` as a tuple, checked to be instructions."""
+    instrs = tuple(instrs)
+    if not set(map(type, instrs)) <= _INSTR_TYPE_SET:
+        for i, instr in enumerate(instrs):
+            if not isinstance(instr, INSTR_TYPES):
+                raise TypeError(f"group {mpmd_idx} #{i}: not an instruction: {instr!r}")
+    return instrs
 
 
 _PAIR = re.compile(r"%(\d+)=(\d+)")
@@ -144,14 +173,11 @@ class GroupProgram:
         object.__setattr__(self, "mpmd_idx", int(self.mpmd_idx))
         object.__setattr__(self, "inputs", _pairs(self.inputs))
         object.__setattr__(self, "outputs", _pairs(self.outputs))
-        instrs = tuple(self.instrs)
-        if not set(map(type, instrs)) <= _INSTR_TYPE_SET:
-            for i, instr in enumerate(instrs):
-                if not isinstance(instr, INSTR_TYPES):
-                    raise TypeError(f"group {self.mpmd_idx} #{i}: not an instruction: "
-                                    f"{instr!r}")
-        object.__setattr__(self, "instrs", instrs)
+        object.__setattr__(self, "instrs", _instrs(self.mpmd_idx, self.instrs))
         items = tuple(self.avals.items() if isinstance(self.avals, Mapping) else self.avals)
+        if _sorted_pairs(items, Aval):
+            object.__setattr__(self, "avals", items)  # what the general path below makes
+            return
         bufs, avals = zip(*items) if items else ((), ())
         if not (set(map(type, bufs)) <= {int} and all(map(operator.lt, bufs, bufs[1:]))):
             pairs = sorted(zip(map(int, bufs), avals), key=_first)
@@ -164,6 +190,17 @@ class GroupProgram:
                 if not isinstance(a, Aval):
                     raise TypeError(f"aval of %{b} is not an Aval: {a!r}")
         object.__setattr__(self, "avals", tuple(zip(bufs, avals)))
+
+    def with_instrs(self, instrs: Iterable[Instr]) -> GroupProgram:
+        """`dataclasses.replace(self, instrs=tuple(instrs))`, without checking again the
+        fields that stay (a pass's rewrite of a large group)."""
+        if type(self) is not GroupProgram:
+            return dataclasses.replace(self, instrs=tuple(instrs))
+        new = object.__new__(GroupProgram)
+        for name in ("mpmd_idx", "inputs", "outputs", "avals"):
+            object.__setattr__(new, name, getattr(self, name))
+        object.__setattr__(new, "instrs", _instrs(self.mpmd_idx, instrs))
+        return new
 
     @cached_property
     def aval_map(self) -> dict[int, Aval]:

@@ -44,6 +44,7 @@ from collections.abc import Iterator, Sequence
 
 from jaxpp_mpi._src.ir.passes import Loc, Matching, match_messages
 from jaxpp_mpi._src.ir.program import (
+    INSTR_TYPES,
     AllReduce,
     Free,
     GroupProgram,
@@ -53,7 +54,7 @@ from jaxpp_mpi._src.ir.program import (
     SendRecv,
 )
 
-__all__ = ["Completed", "Matched", "format_grid", "play"]
+__all__ = ["Completed", "Matched", "format_grid", "play", "play_through"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -112,12 +113,14 @@ def format_grid(program: Program, pcs: Sequence[int], depth: int = 6, width: int
     return "\n".join(row.rstrip() for row in rows)
 
 
+_SEND, _RECV = 1, 2  # bits of a group's matched halves at its current instruction
+
+
 def _deadlock(
     program: Program,
     matching: Matching,
     pcs: list[int],
-    tasks: list[str],
-    done: list[set[str]],
+    done: list[int],
 ) -> ProgramError:
     """The 'deadlock' error for a play stuck at `pcs`, naming each blocked group's wait."""
     lines, blocked = [], []
@@ -128,10 +131,12 @@ def _deadlock(
         instr = g.instrs[pc]
         blocked.append(a)
         line = f"group {a} blocked at #{pc} {instr}"
-        if tasks[a]:
-            line += f" (task {tasks[a]})"
-        for half, peers in (("send", matching.recv_of), ("recv", matching.send_of)):
-            if half in done[a] or pc not in peers[a]:
+        # the task of the latest Run it ran
+        task = next((r.task for r in reversed(g.instrs[:pc]) if isinstance(r, Run)), "")
+        if task:
+            line += f" (task {task})"
+        for half, peers in ((_SEND, matching.recv_of), (_RECV, matching.send_of)):
+            if done[a] & half or pc not in peers[a]:
                 continue
             h, j = peers[a][pc]
             at = "finished" if pcs[h] == len(program.groups[h].instrs) else f"at #{pcs[h]}"
@@ -146,6 +151,17 @@ def _deadlock(
         blocked,
         pcs[blocked[0]],
     )
+
+
+def _halves(kind: type) -> int:
+    """How many halves an instruction of class `kind` matches before it completes: 0
+    for a Run, Free or AllReduce (they complete at once), 2 for a SendRecv, else 1."""
+    if issubclass(kind, (Run, Free, AllReduce)):
+        return 0
+    return 2 if issubclass(kind, SendRecv) else 1
+
+
+_HALVES = {kind: _halves(kind) for kind in INSTR_TYPES}
 
 
 def play(program: Program, matching: Matching | None = None) -> Iterator[Completed | Matched]:
@@ -168,41 +184,63 @@ def play(program: Program, matching: Matching | None = None) -> Iterator[Complet
     """
     if matching is None:
         matching = match_messages(program)
+    yield from _play(program, matching, True)
+
+
+def play_through(program: Program, matching: Matching) -> None:
+    """Plays `program` as `play` does, to its end, without making its events.
+
+    Args:
+      program: the program.
+      matching: `match_messages(program)`.
+
+    Raises:
+      ProgramError: kind 'deadlock', as `play`.
+    """
+    for _ in _play(program, matching, False):
+        pass  # yields nothing
+
+
+def _play(program: Program, matching: Matching, events: bool) -> Iterator[Completed | Matched]:
+    """The play of `play`, yielding its events only if `events`."""
     instrs = [g.instrs for g in program.groups]
     n = len(instrs)
     pcs = [0] * n
-    tasks = [""] * n  # per group: the task of its latest Run, for the deadlock report
-    done: list[set[str]] = [set() for _ in range(n)]  # halves matched at the current pc
+    done = [0] * n  # per group: the halves (_SEND, _RECV) matched at its current pc
     queue = [(0, a) for a in range(n)]  # (sweep, group): a sorted list is a heap
     queued = [0] * n  # per group: the sweep it is queued for, -1 if not queued
-
-    def wake(h: int, sweep: int) -> None:
-        if queued[h] < 0:
-            queued[h] = sweep
-            heapq.heappush(queue, (sweep, h))
+    halves = dict(_HALVES)  # and those of subclasses, once met
+    heappop, heappush = heapq.heappop, heapq.heappush
 
     while queue:
-        sweep, a = heapq.heappop(queue)
+        sweep, a = heappop(queue)
         queued[a] = -1
-        code = instrs[a]
-        while pcs[a] < len(code):
-            pc, instr = pcs[a], code[pcs[a]]
-            if isinstance(instr, Run):
-                tasks[a] = instr.task
-            elif not isinstance(instr, (Free, AllReduce)):
-                for half, peers in (("send", matching.recv_of), ("recv", matching.send_of)):
-                    peer = peers[a].get(pc)
-                    if peer is None or half in done[a] or pcs[peer[0]] != peer[1]:
+        code, pc = instrs[a], pcs[a]
+        # the peer (group, index) of a send half of group a, of a receive half
+        to_peer, from_peer = matching.recv_of[a], matching.send_of[a]
+        while pc < len(code):
+            instr = code[pc]
+            need = halves.get(type(instr))
+            if need is None:
+                need = halves[type(instr)] = _halves(type(instr))
+            if need:
+                for half, peer in ((_SEND, to_peer.get(pc)), (_RECV, from_peer.get(pc))):
+                    if peer is None or done[a] & half or pcs[peer[0]] != peer[1]:
                         continue
                     h = peer[0]
-                    yield Matched((a, pc), peer) if half == "send" else Matched(peer, (a, pc))
-                    done[a].add(half)
-                    done[h].add("recv" if half == "send" else "send")
-                    wake(h, sweep if h > a else sweep + 1)
-                if len(done[a]) < (2 if isinstance(instr, SendRecv) else 1):
+                    if events:
+                        yield Matched((a, pc), peer) if half == _SEND else Matched(peer, (a, pc))
+                    done[a] |= half
+                    done[h] |= _RECV if half == _SEND else _SEND
+                    if queued[h] < 0:  # wake group h, in this sweep if it comes later
+                        queued[h] = sweep if h > a else sweep + 1
+                        heappush(queue, (queued[h], h))
+                if (done[a] & _SEND) + (done[a] >> 1) < need:
                     break
-                done[a] = set()
-            yield Completed(a, pc)
-            pcs[a] = pc + 1
+                done[a] = 0
+            if events:
+                yield Completed(a, pc)
+            pc += 1
+            pcs[a] = pc
     if any(pc < len(code) for pc, code in zip(pcs, instrs, strict=True)):
-        raise _deadlock(program, matching, pcs, tasks, done)
+        raise _deadlock(program, matching, pcs, done)

@@ -68,15 +68,7 @@ def default_latency(instr: Run) -> float:
         raise ValueError(f"{e} of `{instr}`") from None
 
 
-def _no_latency(instr: Run) -> float:
-    return 0.0
-
-
 def _no_transfer(aval: Aval) -> float:
-    return 0.0
-
-
-def _no_reduce(instr: AllReduce, g: GroupProgram) -> float:
     return 0.0
 
 
@@ -210,7 +202,6 @@ def _play(
     transfer: Transfer,
     reduce_time: Callable[[AllReduce, GroupProgram], float],
     check_leaks: bool,
-    record: bool,
 ) -> SimResult:
     """Times the rendezvous play (`rendezvous.play`) of a statically checked program."""
     matching = check_static(program, check_leaks)
@@ -239,8 +230,7 @@ def _play(
         else:
             end = max(halves[a])
             halves[a] = []
-        if record:
-            events[a].append(Event(pc, instr, start, end))
+        events[a].append(Event(pc, instr, start, end))
         now[a] = end
     return _result(now, events, busy)
 
@@ -329,8 +319,8 @@ def verify(program: Program, *, check_leaks: bool = True) -> None:
     """Proves that `program` runs to completion under rendezvous send/recv.
 
     Checks peers, tags, buffer lifetimes and message avals statically
-    (`checks.check_static`), then plays all groups together (`rendezvous.play`, see
-    `Note: rendezvous play`): Run, Free and AllReduce complete at once; a Send (or a
+    (`checks.check_static`), then plays all groups together (`rendezvous.play_through`,
+    see `Note: rendezvous play`): Run, Free and AllReduce complete at once; a Send (or a
     send half) completes only when its destination has reached the matching Recv (or
     receive half), and the other way round; a SendRecv completes when both halves
     have. See `Note: program invariants` for the buffer and matching rules checked; an
@@ -346,7 +336,7 @@ def verify(program: Program, *, check_leaks: bool = True) -> None:
         'redefined', 'leak', 'unmatched', 'aval_mismatch' or 'deadlock', and a message
         naming the group(s) and instruction(s) involved.
     """
-    _play(program, _no_latency, _no_transfer, _no_reduce, check_leaks, record=False)
+    rendezvous.play_through(program, check_static(program, check_leaks))
 
 
 def simulate(
@@ -409,5 +399,4 @@ def simulate(
         transfer or _no_transfer,
         reduce_time,
         check_leaks,
-        record=True,
     )
