@@ -52,7 +52,7 @@ def _timed_walks(graph: TaskGraph, estimates: Iterable[Mapping[str, float]],
     and the fourth model give every task the same time).
     """
     index = index if index is not None else WalkIndex(graph)
-    seen: set[tuple[tuple[tuple[type[Instr], tuple], ...], ...]] = set()
+    kept: list[list[list[tuple[type[Instr], tuple]]]] = []  # each kept walk's instructions
     walked: list[Mapping[str, float]] = []
     for estimate in estimates:
         if any(estimate == other for other in walked):
@@ -61,9 +61,9 @@ def _timed_walks(graph: TaskGraph, estimates: Iterable[Mapping[str, float]],
         for eager in (True, False):
             walk = TimedWalk(graph, estimate, eager, index)
             walk.run()
-            key = tuple(tuple(gs.instrs) for gs in walk.groups)
-            if key not in seen:
-                seen.add(key)
+            instrs = [gs.instrs for gs in walk.groups]
+            if instrs not in kept:  # compared in order: distinct walks differ early
+                kept.append(instrs)
                 yield walk
 
 
