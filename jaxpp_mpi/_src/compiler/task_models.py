@@ -192,19 +192,24 @@ def dataflow_scores(graph: TaskGraph, order: Sequence[TaskNode] | None = None
         if not complete:  # cannot happen for a graph the lowering walked
             return zero
     times = _model_times(frozenset(t.name for t in order))
-    finish = {v: zero for v, _, _ in graph.inputs}  # value -> its time under each model
+    # value -> (its group, its time under each model); a value made on the task's own
+    # group is done by the group's clock already, so only the others' are waited for
+    finish = {v: (g, zero) for v, g, _ in graph.inputs}
     free = [zero] * graph.num_groups
     busy = [zero] * graph.num_groups
     add = operator.add
     for task in order:
         g, ts = task.group, times[task.name]
         clock = free[g]
-        if task.ins:
-            clock = tuple(map(max, clock, *map(finish.__getitem__, task.ins)))
+        for v in task.ins:
+            h, done = finish[v]
+            if h != g:
+                clock = tuple(map(max, clock, done))
         free[g] = clock = tuple(map(add, clock, ts))
         busy[g] = tuple(map(add, busy[g], ts))
+        made = (g, clock)
         for v in task.outs:
-            finish[v] = clock
+            finish[v] = made
     return tuple(_ratio(max((c[m] for c in free), default=0.0),
                         max((w[m] for w in busy), default=0.0)) for m in range(k))
 
