@@ -38,7 +38,7 @@ pipeline, every message and every AllReduce (ring model) at the stated link
 (the same program played with one replica: every AllReduce free), where each group's
 reductions land, and the same for "before": the program with every AllReduce moved back
 to right after the definition of its buffers (`at_definition`: where
-`passes.add_replica_reductions` put it before it learnt to let the sends that follow
+`reductions.add_replica_reductions` put it before it learnt to let the sends that follow
 the definition go first, `Note: replica reductions`).
 
 Last, a sweep of the bucket size (`--sweep-buckets-mb`, 0: one AllReduce per task and
@@ -201,7 +201,7 @@ def at_definition(program: Program) -> Program:
     """The "before" what-if: every AllReduce moved back to right after the definition of
     its buffers, ahead of the sends and frees that follow it.
 
-    That is where `passes.add_replica_reductions` placed them before commit 1fe32ea
+    That is where `reductions.add_replica_reductions` placed them before commit 1fe32ea
     (`Note: replica reductions`): on a group that sends an input gradient right after its
     last backward task, the reduction then runs before that send and the previous group's
     last backward waits for it. The AllReduces after one definition keep their order in

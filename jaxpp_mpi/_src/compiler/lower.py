@@ -96,10 +96,10 @@ def _lower_best(graph: TaskGraph, sends: str = "blocking") -> tuple[Program, Buf
     """The best of the round order and the timed orders (`Note: timed order`).
 
     The timed walks run eager and lazy under each distinct estimate of
-    `task_models.ESTIMATES`; walks that give the same instructions are scored once. Candidates are scored by
-    `task_models.walk_scores` (their programs' scores, `Note: walk events`). A timed order
-    is eligible only if it is no worse than the round order under every model; the
-    eligible one with the best mean wins, the earlier one (the round order first) on
+    `task_models.ESTIMATES`; walks that give the same instructions are scored once.
+    Candidates are scored by `task_models.walk_scores` (their programs' scores, `Note:
+    walk events`). A timed order is eligible only if it is no worse than the round order
+    under every model; the eligible one with the best mean wins, the earlier one (the round order first) on
     ties. So no graph gets a program slower under any of `task_models.MODELS` than the
     round order. A round order already at the graph's own timeline under every model
     (`task_models.dataflow_scores`: GPipe) is kept without walking; once a timed order

@@ -21,7 +21,7 @@ Note: replicas.
   (replica by replica), so results agree with it to rounding, as any data-parallel sum.
 
   The reductions are `AllReduce` instructions (ir/instructions.py) placed by
-  `passes.add_replica_reductions` (`Note: replica reductions`) over the group's replica
+  `reductions.add_replica_reductions` (`Note: replica reductions`) over the group's replica
   communicator; an output a forward finishes (a loss) waits for the group's last
   backward, unless something reads it earlier, so replicas meet only where gradients
   are reduced. Messages never cross replicas, so an AllReduce cannot deadlock against
@@ -42,8 +42,8 @@ from jax.extend import core as jex_core
 from jaxpp_mpi._src.base.compat import split_inputs
 from jaxpp_mpi._src.base.errors import CompileError
 from jaxpp_mpi._src.compiler.task_graph import Value
-from jaxpp_mpi._src.ir import passes
 from jaxpp_mpi._src.ir.program import Program, Run
+from jaxpp_mpi._src.ir.reductions import add_replica_reductions
 from jaxpp_mpi._src.ir.simulate import verify
 from jaxpp_mpi._src.primitives.treduce import Add, Concat, Max, Op
 from jaxpp_mpi._src.schedules.tasks import parse_label
@@ -103,7 +103,7 @@ def add_reductions(program: Program, buffer_names: Sequence[Mapping[int, Value]]
         variable names (`loopout<k>`, read by nothing) are left alone.
       out_groups: per loop output, the group that computes it.
       ops: per loop output, its treduce op.
-      bucket_bytes: the largest AllReduce (`passes.add_replica_reductions`).
+      bucket_bytes: the largest AllReduce (`reductions.add_replica_reductions`).
 
     Returns:
       The verified program with its AllReduce instructions.
@@ -117,7 +117,7 @@ def add_reductions(program: Program, buffer_names: Sequence[Mapping[int, Value]]
             continue
         aval = program.group(g).aval(buf)
         reductions.setdefault(g, []).append((buf, reduce_op(op, aval.dtype)))
-    out = passes.add_replica_reductions(program, reductions, bucket_bytes,
+    out = add_replica_reductions(program, reductions, bucket_bytes,
                                         not_before=_last_backward(program))
     verify(out)
     return out

@@ -18,7 +18,7 @@ Note: rendezvous play.
   runs in it, see `Note: local order` in runtime/local.py).
 
   An AllReduce is a collective of the R ranks that run one group's program, one per
-  pipeline replica (`Note: replica reductions` in ir/passes.py), yet it is played as
+  pipeline replica (`Note: replica reductions` in ir/reductions.py), yet it is played as
   completing at once, and one play stands for all R replicas. That is sound: every
   replica runs the same programs and messages never cross replicas, so the R replicas
   can replay this play in lockstep, each event in all of them at once: a Run, a Free

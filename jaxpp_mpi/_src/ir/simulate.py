@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 
 from jaxpp_mpi._src.ir import rendezvous
 from jaxpp_mpi._src.ir.checks import check_static, locate
-from jaxpp_mpi._src.ir.passes import Loc, aval_nbytes, match_messages, recv_half, send_half
+from jaxpp_mpi._src.ir.passes import Loc, match_messages, recv_half, send_half
 from jaxpp_mpi._src.ir.program import (
     AllReduce,
     Aval,
@@ -23,6 +23,7 @@ from jaxpp_mpi._src.ir.program import (
     ProgramError,
     Run,
 )
+from jaxpp_mpi._src.ir.reductions import aval_nbytes
 from jaxpp_mpi._src.ir.rendezvous import format_grid
 from jaxpp_mpi._src.schedules.tasks import label_latency
 

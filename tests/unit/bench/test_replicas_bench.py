@@ -11,14 +11,14 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
 import replicas as bench  # noqa: E402
 
-from jaxpp_mpi._src.ir.passes import add_replica_reductions  # noqa: E402
 from jaxpp_mpi._src.ir.program import AllReduce, Free, Program, Recv, Run, Send  # noqa: E402
+from jaxpp_mpi._src.ir.reductions import add_replica_reductions  # noqa: E402
 from jaxpp_mpi._src.ir.simulate import MessageCost  # noqa: E402
 from jaxpp_mpi.trace import TraceEvent  # noqa: E402
 
 # Group 1 finishes its stage's gradient (%2, 80 bytes), sends the input gradient (%1, 4
 # bytes) that group 0's backward needs, frees, then all-reduces %2: the order
-# `passes.add_replica_reductions` gives now (past the sends and frees that follow the
+# `reductions.add_replica_reductions` gives now (past the sends and frees that follow the
 # definition; on group 0 past the free).
 PROGRAM = """\
 group 0

@@ -14,7 +14,6 @@ from jax.sharding import PartitionSpec as P
 from jaxpp_mpi._src.ir.layouts import infer_layouts
 from jaxpp_mpi._src.ir.passes import (
     add_frees,
-    add_replica_reductions,
     assign_tags,
     match_messages,
     pair_exchanges,
@@ -31,6 +30,7 @@ from jaxpp_mpi._src.ir.program import (
     Send,
     SendRecv,
 )
+from jaxpp_mpi._src.ir.reductions import add_replica_reductions
 from jaxpp_mpi._src.ir.rendezvous import Completed, format_grid, play
 from jaxpp_mpi._src.ir.simulate import MessageCost, ring_allreduce, simulate, verify
 from jaxpp_mpi._src.runtime.local import LocalExecutor, local_order
