@@ -60,6 +60,7 @@ from _common import metadata, write_json  # noqa: E402
 WORKLOADS = (
     ("1f1b", 4, 8),
     ("1f1b", 4, 64),
+    ("1f1b", 4, 128),
     ("1f1b", 4, 512),
     ("1f1b", 16, 64),
     ("1f1b", 16, 256),
