@@ -99,15 +99,15 @@ def _lower_best(graph: TaskGraph, sends: str = "blocking") -> tuple[Program, Buf
     `task_models.ESTIMATES`; walks that give the same instructions are scored once.
     Candidates are scored by `task_models.walk_scores` (their programs' scores, `Note:
     walk events`). A timed order is eligible only if it is no worse than the round order
-    under every model; the eligible one with the best mean wins, the earlier one (the round order first) on
-    ties. So no graph gets a program slower under any of `task_models.MODELS` than the
-    round order. A round order already at the graph's own timeline under every model
-    (`task_models.dataflow_scores`: GPipe) is kept without walking; once a timed order
-    wins at that timeline (1F1B with its fused last stage, after the first walk), the
-    walks stop: that timeline bounds every program's scores from below, so no later
-    candidate could win (they would only tie, and ties keep the earlier one). The
-    result is the one all the walks would give. Only the winner becomes a program
-    (`Note: candidates untagged`).
+    under every model; the eligible one with the best mean wins, the earlier one (the
+    round order first) on ties. So no graph gets a program slower under any of
+    `task_models.MODELS` than the round order. A round order already at the graph's own
+    timeline under every model (`task_models.dataflow_scores`: GPipe) is kept without
+    walking; once a timed order wins at that timeline (1F1B with its fused last stage,
+    after the first walk), the walks stop: that timeline bounds every program's scores
+    from below, so no later candidate could win (they would only tie, and ties keep the
+    earlier one). The result is the one all the walks would give. Only the winner
+    becomes a program (`Note: candidates untagged`).
     """
     index = WalkIndex(graph)
     n = graph.num_groups
