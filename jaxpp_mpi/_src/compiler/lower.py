@@ -11,22 +11,23 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 
 from jaxpp_mpi._src.compiler import task_models
 from jaxpp_mpi._src.compiler.task_graph import TaskGraph, Value
-from jaxpp_mpi._src.compiler.walks import BufferNames, RoundWalk, TimedWalk, WalkIndex
+from jaxpp_mpi._src.compiler.timed_walk import TimedWalk
+from jaxpp_mpi._src.compiler.walks import BufferNames, RoundWalk, Walk, WalkIndex
 from jaxpp_mpi._src.ir import passes as program_passes
 from jaxpp_mpi._src.ir import simulate
-from jaxpp_mpi._src.ir.program import Free, GroupProgram, Instr, Program, Run
+from jaxpp_mpi._src.ir.program import Free, GroupProgram, Program, Run
 
 __all__ = ["build_program", "build_program_with_names", "live_buffer_profile"]
 
 
-def _finish(lowering: RoundWalk) -> tuple[Program, BufferNames]:
+def _finish(lowering: Walk) -> tuple[Program, BufferNames]:
     """Runs `lowering`; its program with exchanges paired and tags assigned (no Frees)."""
     lowering.run()
     program, names = _paired(lowering)
     return program_passes.assign_tags(program), names
 
 
-def _paired(walk: RoundWalk) -> tuple[Program, BufferNames]:
+def _paired(walk: Walk) -> tuple[Program, BufferNames]:
     """The program of the walk `walk` ran, with exchanges paired, tags not yet assigned.
 
     Note: candidates untagged
@@ -49,10 +50,14 @@ def _timed_walks(graph: TaskGraph, estimates: Iterable[Mapping[str, float]],
     A walk is a function of the graph, its estimate's times and `eager` alone, so an
     estimate equal to an earlier one is not walked again (the models differ only in
     the times of kinds of task a graph may lack: without I and W tasks, the second
-    and the fourth model give every task the same time).
+    and the fourth model give every task the same time). A walk whose events and
+    moved values equal an earlier one's makes the same program (`Note: emitted once`
+    in timed_walk.py) and is dropped. Two walks could still make the same program in
+    different global orders: both are yielded then, and score alike, and the callers
+    keep the earlier of equal scores, so the choice is the one by programs.
     """
     index = index if index is not None else WalkIndex(graph)
-    kept: list[list[list[tuple[type[Instr], tuple]]]] = []  # each kept walk's instructions
+    kept: list[tuple[list, list]] = []  # each kept walk's events and values moved
     walked: list[Mapping[str, float]] = []
     for estimate in estimates:
         if any(estimate == other for other in walked):
@@ -61,9 +66,9 @@ def _timed_walks(graph: TaskGraph, estimates: Iterable[Mapping[str, float]],
         for eager in (True, False):
             walk = TimedWalk(graph, estimate, eager, index)
             walk.run()
-            instrs = [gs.instrs for gs in walk.groups]
-            if instrs not in kept:  # compared in order: distinct walks differ early
-                kept.append(instrs)
+            order = (walk.events, walk.moved)
+            if order not in kept:  # compared in order: distinct walks differ early
+                kept.append(order)
                 yield walk
 
 
@@ -80,7 +85,7 @@ def _lower_measured(graph: TaskGraph, task_ms: Mapping[str, float],
     measured = task_models.measured_estimate(graph, task_ms)
     index = WalkIndex(graph)
     n = graph.num_groups
-    best: RoundWalk = RoundWalk(graph, index)
+    best: Walk = RoundWalk(graph, index)
     best.run()
     best_time = task_models.walk_makespan(best.events, n, measured, sends)
     estimates = (measured, *(task_models.estimate(graph, m) for m in task_models.ESTIMATES))
@@ -111,7 +116,7 @@ def _lower_best(graph: TaskGraph, sends: str = "blocking") -> tuple[Program, Buf
     """
     index = WalkIndex(graph)
     n = graph.num_groups
-    best: RoundWalk = RoundWalk(graph, index)
+    best: Walk = RoundWalk(graph, index)
     best.run()
     base = task_models.walk_scores(best.events, n, sends)
     bound = task_models.dataflow_scores(graph, index.order)

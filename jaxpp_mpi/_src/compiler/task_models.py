@@ -1,7 +1,7 @@
 """Task-time models, and the makespans and scores of lowered programs under them.
 
 The lowering (lower.py) walks a task graph into several candidate programs
-(walks.py) and keeps the one these scores favour (`Note: timed order` in walks.py):
+(walks.py) and keeps the one these scores favour (`Note: timed order` in timed_walk.py):
 each candidate is played from its walk's events (`play_walk`) with every task at its
 time under each model of `MODELS` (`walk_scores`), or at measured times
 (`measured_estimate`, `walk_makespan`).

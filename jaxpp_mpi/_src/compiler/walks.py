@@ -1,11 +1,13 @@
-"""The walks of a task graph that emit each group's instructions: in rounds
-(`RoundWalk`, `Note: global order`) and in estimated time (`TimedWalk`, `Note: timed
+"""The walks of a task graph that emit each group's instructions: what every walk
+keeps (`Walk`), what they share (`WalkIndex`) and the walk in rounds (`RoundWalk`,
+`Note: global order`); the walk in estimated time is timed_walk.py's (`Note: timed
 order`). lower.py runs them, chooses among their programs and verifies the winner.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 from typing import NamedTuple
 
@@ -19,7 +21,7 @@ from jaxpp_mpi._src.ir.program import (
     Send,
 )
 
-__all__ = ["BufferNames", "Event", "RoundWalk", "TimedWalk", "WalkIndex", "dataflow_order"]
+__all__ = ["BufferNames", "Event", "RoundWalk", "Walk", "WalkIndex", "dataflow_order"]
 
 BufferNames = tuple[dict[int, Value], ...]  # per group: buffer id -> value name
 # One event of a walk (`Note: walk events`): (group, task name) for a Run, (sender,
@@ -120,6 +122,7 @@ class WalkIndex:
       remote: value -> the groups other than its producer that read it.
       first_use: per group, value -> index of the first of its tasks reading it.
       sent: per task name, its outputs that other groups read (in output order).
+      readers: value -> the groups of `remote`, ascending (computed on first use).
     """
 
     def __init__(self, graph: TaskGraph):
@@ -142,6 +145,10 @@ class WalkIndex:
         self._order: list[TaskNode] | None = None
         self._tails: list[tuple[Mapping[str, float], dict[str, float]]] = []
 
+    @functools.cached_property
+    def readers(self) -> dict[Value, tuple[int, ...]]:
+        return {v: tuple(sorted(gs)) for v, gs in self.remote.items()}
+
     @property
     def order(self) -> list[TaskNode]:
         """Every task in `dataflow_order`'s order, computed once."""
@@ -149,33 +156,98 @@ class WalkIndex:
             self._order, _ = dataflow_order(self.graph)
         return self._order
 
+    @functools.cached_property
+    def _tail_steps(self) -> tuple[list[str], list[list[int]]]:
+        """For `tails`: the task names of `order` reversed, and per task the positions
+        in that list of its successors (the next task on its group, the readers of its
+        outputs) that come before it, which are all of them when `order` exists."""
+        names: list[str] = []
+        succs: list[list[int]] = []
+        readers: dict[Value, list[int]] = {}  # value -> positions of its readers so far
+        after: list[int | None] = [None] * self.graph.num_groups  # the group's next task
+        for i, t in enumerate(reversed(self.order)):
+            succ = []
+            for v in t.outs:
+                if v in readers:
+                    succ += readers[v]
+            if after[t.group] is not None:
+                succ.append(after[t.group])
+            names.append(t.name)
+            succs.append(succ)
+            after[t.group] = i
+            for v in t.ins:
+                if v in readers:
+                    readers[v].append(i)
+                else:
+                    readers[v] = [i]
+        return names, succs
+
     def tails(self, latency: Mapping[str, float]) -> dict[str, float]:
         """Per task: the longest path from its start to the end of the step, each task
         taking its time in `latency` (along group order and data).
 
-        Tasks are visited in `order` reversed, so every successor of a task (the next
-        task on its group, the readers of its outputs) is done before it; `longest`
-        keeps, per value, the longest tail of its readers so far.
+        Tasks are visited in `order` reversed, so every successor of a task is done
+        before it (`_tail_steps`, found once for every estimate).
         """
         for seen, tail in self._tails:
             if seen is latency:
                 return tail
-        tail: dict[str, float] = {}
-        longest: dict[Value, float] = {}
-        after: list[float | None] = [None] * self.graph.num_groups  # the group's next task's
-        for t in reversed(self.order):
-            succ = [longest[v] for v in t.outs if v in longest]
-            if after[t.group] is not None:
-                succ.append(after[t.group])
-            x = tail[t.name] = after[t.group] = latency[t.name] + max(succ, default=0.0)
-            for v in t.ins:
-                if v not in longest or longest[v] < x:
-                    longest[v] = x
+        names, succs = self._tail_steps
+        done: list[float] = []
+        for name, succ in zip(names, succs):
+            done.append(latency[name] + (max(map(done.__getitem__, succ)) if succ else 0.0))
+        tail = dict(zip(names, done))
         self._tails.append((latency, tail))
         return tail
 
 
-class RoundWalk:
+class Walk:
+    """What every walk keeps: each group's state (`_Group`), the step inputs' buffers
+    (defined first, by group and input index) and the events (`Note: walk events`); a
+    walk's `run` appends instructions and events, then `program` makes its Program.
+
+    Attributes:
+      graph: the task graph.
+      index: the facts the graph's walks share (`WalkIndex`).
+      groups: per group, its state: tasks, instructions, buffers and next task.
+      events: the walk's events in order (`Note: walk events`).
+    """
+
+    def __init__(self, graph: TaskGraph, index: WalkIndex | None = None):
+        self.graph = graph
+        self.index = index if index is not None else WalkIndex(graph)
+        self.prod = self.index.prod
+        self.groups = [_Group(ts) for ts in graph.tasks]
+        self.input_bufs: dict[Value, int] = {}
+        self.events: list[Event] = []  # `Note: walk events`
+        for v, g, _ in sorted(graph.inputs, key=lambda x: (x[1], x[2], x[0])):
+            self.input_bufs[v] = self.groups[g].define(v)
+
+    def _stuck_message(self) -> str:
+        lines = []
+        for g, gs in enumerate(self.groups):
+            t = gs.next_task
+            if t is None:
+                continue
+            waits = ", ".join(
+                f"{v} (from group {self.prod[v]})" if self.prod[v] != g else v for v in gs.missing()
+            )
+            lines.append(f"  group {g}: task {t.name} waits for {waits}")
+        return "lowering made no progress (a cycle in the task order?):\n" + "\n".join(lines)
+
+    def program(self) -> tuple[Program, BufferNames]:
+        """The Program (exchanges unpaired, tags unassigned, no Frees) and buffer names."""
+        groups = []
+        for g, gs in enumerate(self.groups):
+            inputs = [(self.input_bufs[v], k) for v, h, k in self.graph.inputs if h == g]
+            outputs = [(gs.bufs[v], k) for v, k in self.graph.outputs if self.prod[v] == g]
+            avals = dict(enumerate(map(self.graph.avals.__getitem__, gs.names)))
+            instrs = tuple(make(*args) for make, args in gs.instrs)
+            groups.append(GroupProgram(g, inputs, instrs, outputs, avals))
+        return Program(tuple(groups)), tuple(dict(enumerate(gs.names)) for gs in self.groups)
+
+
+class RoundWalk(Walk):
     """Walks the graph in rounds and appends each group's instructions.
 
     Note: global order
@@ -211,18 +283,10 @@ class RoundWalk:
     """
 
     def __init__(self, graph: TaskGraph, index: WalkIndex | None = None):
-        self.graph = graph
-        self.index = index if index is not None else WalkIndex(graph)
-        self.prod = self.index.prod
-        self.groups = [_Group(ts) for ts in graph.tasks]
-        self.available: set[Value] = set()  # values produced somewhere so far
+        super().__init__(graph, index)
+        self.available: set[Value] = set(self.input_bufs)  # values produced so far
         # value -> consumer groups other than its producer, not yet delivered to
         self.undelivered = {v: set(gs) for v, gs in self.index.remote.items()}
-        self.input_bufs: dict[Value, int] = {}
-        self.events: list[Event] = []  # `Note: walk events`
-        for v, g, _ in sorted(graph.inputs, key=lambda x: (x[1], x[2], x[0])):
-            self.input_bufs[v] = self.groups[g].define(v)
-            self.available.add(v)
 
     def run(self) -> None:
         """Rounds until every group has run all its tasks.
@@ -329,208 +393,3 @@ class RoundWalk:
         self.groups[a].instrs += [(Send, (m_send, b, -1)), (Recv, (r_recv, b, -1, avals[r.value]))]
         self.groups[b].instrs += [(Send, (r_send, a, -1)), (Recv, (m_recv, a, -1, avals[m.value]))]
         self.events.append((a, b, True))
-
-    def _stuck_message(self) -> str:
-        lines = []
-        for g, gs in enumerate(self.groups):
-            t = gs.next_task
-            if t is None:
-                continue
-            waits = ", ".join(
-                f"{v} (from group {self.prod[v]})" if self.prod[v] != g else v for v in gs.missing()
-            )
-            lines.append(f"  group {g}: task {t.name} waits for {waits}")
-        return "lowering made no progress (a cycle in the task order?):\n" + "\n".join(lines)
-
-    def program(self) -> tuple[Program, BufferNames]:
-        """The Program (exchanges unpaired, tags unassigned, no Frees) and buffer names."""
-        groups = []
-        for g, gs in enumerate(self.groups):
-            inputs = [(self.input_bufs[v], k) for v, h, k in self.graph.inputs if h == g]
-            outputs = [(gs.bufs[v], k) for v, k in self.graph.outputs if self.prod[v] == g]
-            avals = dict(enumerate(map(self.graph.avals.__getitem__, gs.names)))
-            instrs = tuple(make(*args) for make, args in gs.instrs)
-            groups.append(GroupProgram(g, inputs, instrs, outputs, avals))
-        return Program(tuple(groups)), tuple(dict(enumerate(gs.names)) for gs in self.groups)
-
-
-class TimedWalk(RoundWalk):
-    """Walks the graph in estimated time and appends each group's instructions.
-
-    Note: timed order
-      The round walk (`RoundWalk.run`) gives every task one round, so with tasks of
-      different lengths a message lands on its sender after tasks that, in time, come
-      after the receiver needs it (a backward twice a forward, a long weight-gradient
-      task before a send). This walk plays the groups in estimated time instead
-      (`latency` per task; messages take no time): each group is busy until `time[g]`;
-      the earliest group acts next (ties by index): it first delivers its pending
-      messages with each peer that is there at the same time (both idle: they cost
-      neither), then runs its next task if its inputs are present, else waits for the
-      next event. Before running a task while a value it made is still owed to a busy
-      peer, it compares the estimated end of the step both ways (`tail`: the longest
-      path from a task's start to the end of the step, along group order and data) and
-      waits for the peer when that ends earlier. Donated values are delivered before
-      their task runs (`Note: donation`), waiting for the peer if needed.
-
-      The best order depends on task times the compiler does not know, and a walk on
-      a wrong estimate can wait where the round walk does not. So the lowering
-      (`_lower_best` in lower.py) builds the round order and the eager and lazy timed
-      orders under each of four estimates (`ESTIMATES` in task_models.py, the
-      task-time models of `MODELS`: no single estimate wins everywhere: on 4 groups
-      Interleaved and KimiK2 reach their own timeline under every model when walked
-      with B four times F, ZeroBubble and DualPipeV gain only from the lazy walk on the
-      defaults) and simulates each under every model, each task at its time under the
-      model as the walks estimated it (`label_times`: the first stage's W, which has no
-      I task, does both), and with the runtime's sends (`sends`: blocking, or posted
-      where the MPI executor posts them, `Note: posted sends` in mpi/posted.py; every
-      candidate is deadlock-free with blocking sends either way); a timed order
-      replaces the round order only if it is no slower under any model, and the one
-      with the best mean wins. bench/lowering.py measures the result against each
-      schedule's own dataflow timeline. When the user gives measured task times
-      (`task_times_ms`), there is nothing to hedge: the walks also run on those times
-      and the program fastest under them wins (`_lower_measured` in lower.py).
-
-      With `eager`, two idle groups exchange every value one owes the other; without,
-      only what the receiver's next task needs or what a receiver with nothing ready
-      takes (a receive before an independent Run could make that Run wait on the
-      sender, if the estimate is wrong). Each event is still appended at one point of a
-      single global order, both sides of a message at once, so `Note: global order`'s
-      argument (rendezvous play, no deadlock) holds unchanged.
-    """
-
-    def __init__(self, graph: TaskGraph, latency: Mapping[str, float], eager: bool,
-                 index: WalkIndex | None = None):
-        super().__init__(graph, index)
-        self.latency = latency
-        self.eager = eager
-        n = len(self.groups)
-        self.time = [0.0] * n
-        self.first_use = self.index.first_use  # per group: value -> first task reading it
-        self.pending: list[dict[tuple[Value, int], _Message]] = [{} for _ in range(n)]
-        for v in self.input_bufs:
-            self._owe(v)
-        self.tail = self.index.tails(latency)
-        self._ended = True  # whether a group may have ended since `run` last looked
-
-    def _owe(self, v: Value) -> None:
-        """Records the messages of the new value `v` with the groups waiting for it."""
-        waiting = self.undelivered.get(v)
-        if not waiting:
-            return
-        src = self.prod[v]
-        for dst in sorted(waiting):
-            m = _Message(v, src, dst)
-            self.pending[src][(v, dst)] = self.pending[dst][(v, dst)] = m
-
-    def _deliver_timed(self, messages: list[_Message]) -> None:
-        """Delivers `messages` pair by pair (sorted), in the order receivers need them."""
-        by_pair: dict[tuple[int, int], list[_Message]] = {}
-        for m in messages:
-            key = (m.src, m.dst) if m.src < m.dst else (m.dst, m.src)
-            by_pair.setdefault(key, []).append(m)
-        pending, time, first_use = self.pending, self.time, self.first_use
-        for a, b in sorted(by_pair):
-            ms = by_pair[a, b]
-            if len(ms) > 1:
-                ms.sort(key=lambda m: (first_use[m.dst][m.value], m.value, m.dst))
-            self._deliver_pair(a, ms)
-            owed_a, owed_b = pending[a], pending[b]
-            for m in ms:
-                del owed_a[m.value, m.dst], owed_b[m.value, m.dst]
-            if not (owed_a and owed_b):
-                self._ended = True
-            time[a] = time[b] = max(time[a], time[b])
-
-    def _takes_now(self, m: _Message) -> bool:
-        """Whether m's receiver, idle, should take m now (see `Note: timed order`)."""
-        if self.eager:
-            return True
-        r = self.groups[m.dst]
-        if r.pos >= len(r.tasks):
-            return True
-        ins = r.tasks[r.pos].ins
-        return m.value in ins or not all(map(r.bufs.__contains__, ins))  # or r waits
-
-    def run(self) -> None:
-        """Plays the groups in estimated time until all tasks ran and all values arrived.
-
-        Raises:
-          ValueError: if no group can act (the task order has a cycle across groups).
-        """
-        groups, pending, time = self.groups, self.pending, self.time
-        live = list(range(len(groups)))
-        while True:
-            # A group with no task left and nothing owed to or by it never acts again;
-            # only a group's last task or a delivery can end one (`_ended`).
-            if self._ended:
-                self._ended = False
-                live = [g for g in live if groups[g].pos < len(groups[g].tasks) or pending[g]]
-                if not live:
-                    return
-            # The earliest group almost always acts; `_act` changes nothing when it does
-            # not, so trying it first and then every group in order is the same walk.
-            # `live` ascends, and min and sorted keep the first of equals: ties by index.
-            first = min(live, key=time.__getitem__)
-            if self._act(first, live):
-                continue
-            if not any(self._act(g, live) for g in sorted(live, key=time.__getitem__)):
-                raise ValueError(self._stuck_message())
-
-    def _act(self, g: int, live: list[int]) -> bool:
-        """One step of group g at its time; returns whether anything changed."""
-        time = self.time
-        t, gs = time[g], self.groups[g]
-        owes = self.pending[g]  # keyed by (value, receiver): sorted by value, then receiver
-        pending = [owes[k] for k in sorted(owes)] if owes else []
-        if pending:
-            if self.eager:
-                here = [m for m in pending if time[m.src if m.dst == g else m.dst] <= t]
-            else:
-                here = [m for m in pending
-                        if time[m.src if m.dst == g else m.dst] <= t and self._takes_now(m)]
-            if here:
-                self._deliver_timed(here)
-                return True
-        pos = gs.pos
-        if pos < len(gs.tasks) and all(map(gs.bufs.__contains__, gs.tasks[pos].ins)):
-            task = gs.tasks[pos]
-            if pending:
-                owed = [m for m in pending if m.src == g and time[m.dst] > t]
-                forced = [m.dst for m in owed if m.value in task.donate]
-                wait = [time[h] for h in forced] or [
-                    time[m.dst] for m in owed if self._worth_waiting(m, task, t)
-                ]
-                if wait:
-                    time[g] = min(wait)
-                    return True
-                # A donated value owed to an idle peer that did not take it yet
-                # (`_takes_now`) goes now, before its task consumes it.
-                donated = [m for m in pending if m.src == g and m.value in task.donate]
-                if donated:
-                    self._deliver_timed(donated)
-                    return True
-            self._run(g, gs)  # the timed walk keeps no `available`: `pending` serves
-            if gs.pos == len(gs.tasks):
-                self._ended = True
-            for v in self.index.sent[task.name]:  # the outputs some other group reads
-                self._owe(v)
-            time[g] = t + self.latency[task.name]
-            return True
-        later = [time[h] for h in live if time[h] > t]
-        if later:
-            time[g] = min(later)
-            return True
-        return False
-
-    def _worth_waiting(self, m: _Message, task: TaskNode, t: float) -> bool:
-        """Whether g should wait for busy m.dst to send m before running `task` at t."""
-        h = self.groups[m.dst]
-        th = self.time[m.dst]
-        use = self.first_use[m.dst][m.value]
-        before = sum(self.latency[x.name] for x in h.tasks[h.pos : use])
-        consumer = self.tail[h.tasks[use].name]
-        end_wait = max(th + self.tail[task.name], th + before + consumer)
-        end_run = max(
-            t + self.tail[task.name], max(th + before, t + self.latency[task.name]) + consumer
-        )
-        return end_wait < end_run

@@ -411,7 +411,7 @@ def mpmd_jit_with_loop(
         label's median from `collect_task_times_ms` over earlier steps of the same step,
         gathered from every rank (each rank times only its own tasks). Given, the
         compiler orders each group's messages for these times (`Note: timed order` in
-        compiler/walks.py) instead of for the best case across task-time models; labels
+        compiler/timed_walk.py) instead of for the best case across task-time models; labels
         it lacks take the mean of their kind. Results are unchanged; only the program's
         order differs. Pass the same times on every rank (the ranks agree on the
         program: different times are refused as different programs).

@@ -10,7 +10,7 @@ from pathlib import Path
 import program_plays
 import pytest
 
-from jaxpp_mpi._src.compiler import lower, task_models, walks
+from jaxpp_mpi._src.compiler import lower, task_models, timed_walk, walks
 from jaxpp_mpi._src.compiler.lower import (
     build_program,
     build_program_with_names,
@@ -348,6 +348,25 @@ def test_cycle_names_stuck_tasks():
     assert "group 1: task C waits for x (from group 0)" in str(e.value)
 
 
+@pytest.mark.parametrize("eager", [True, False])
+def test_timed_walk_names_stuck_tasks_after_progress(eager):
+    """A cycle met after some values moved: each walk names only the inputs still
+    missing (p reached group 1 before it got stuck)."""
+    graph = _graph(
+        [
+            [T("P", 0, [], ["p"]), T("A", 0, ["y"], ["a"]), T("B", 0, [], ["x"])],
+            [T("C", 1, ["p", "x"], ["c"]), T("D", 1, [], ["y"])],
+        ]
+    )
+    graph.validate()
+    latency = {t.name: 1.0 for ts in graph.tasks for t in ts}
+    for walk in (walks.RoundWalk(graph), timed_walk.TimedWalk(graph, latency, eager)):
+        with pytest.raises(ValueError, match="no progress") as e:
+            walk.run()
+        assert "group 0: task A waits for y (from group 1)" in str(e.value)
+        assert "group 1: task C waits for x (from group 0)\n" in str(e.value) + "\n"
+
+
 def test_missing_aval():
     graph = TaskGraph(1, ((T("A", 0, [], ["a"]),),), (), (), {})
     with pytest.raises(ValueError, match="'a' has no aval"):
@@ -486,7 +505,7 @@ def test_never_slower_than_the_round_order(name, groups, num_microbatches):
     # Every candidate order verifies on its own (no deadlock, buffers, matching).
     for model in task_models.ESTIMATES:
         for eager in (True, False):
-            timed = walks.TimedWalk(graph, task_models.estimate(graph, model), eager)
+            timed = timed_walk.TimedWalk(graph, task_models.estimate(graph, model), eager)
             verify(add_frees(lower._finish(timed)[0]))
 
 

@@ -15,7 +15,7 @@ import program_plays
 import pytest
 from test_lower import SCHEDULES, schedule_graph
 
-from jaxpp_mpi._src.compiler import lower, task_models, walks
+from jaxpp_mpi._src.compiler import lower, task_models, timed_walk, walks
 from jaxpp_mpi._src.ir.passes import assign_tags
 
 
@@ -43,7 +43,7 @@ def every_timed_walk(graph):
     programs = []
     for model in task_models.ESTIMATES:
         for eager in (True, False):
-            walk = walks.TimedWalk(graph, task_models.estimate(graph, model), eager)
+            walk = timed_walk.TimedWalk(graph, task_models.estimate(graph, model), eager)
             walk.run()
             program = lower._paired(walk)
             if program not in programs:

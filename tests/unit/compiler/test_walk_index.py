@@ -12,7 +12,7 @@ import pytest
 from test_lower import SCHEDULES, schedule_graph
 
 import jaxpp_mpi as jp
-from jaxpp_mpi._src.compiler import lower, step_entry, task_models, walks
+from jaxpp_mpi._src.compiler import lower, step_entry, task_models, timed_walk, walks
 from jaxpp_mpi._src.compiler.build import build_step
 from jaxpp_mpi.schedules import Std1F1B
 
@@ -46,8 +46,8 @@ def test_walks_sharing_an_index_equal_walks_on_their_own(name):
     for model in task_models.ESTIMATES:
         estimate = task_models.estimate(graph, model)
         for eager in (True, False):
-            shared.append(lower._finish(walks.TimedWalk(graph, estimate, eager, index)))
-            alone.append(lower._finish(walks.TimedWalk(graph, estimate, eager)))
+            shared.append(lower._finish(timed_walk.TimedWalk(graph, estimate, eager, index)))
+            alone.append(lower._finish(timed_walk.TimedWalk(graph, estimate, eager)))
     assert shared == alone
 
 

@@ -1,0 +1,294 @@
+"""The timed walk: a task graph's instructions in estimated time (`Note: timed order`),
+one of the candidate orders lower.py chooses among (the round walk, `RoundWalk` in
+walks.py, is the other).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from jaxpp_mpi._src.compiler.task_graph import TaskGraph, TaskNode, Value
+from jaxpp_mpi._src.compiler.walks import BufferNames, Walk, WalkIndex
+from jaxpp_mpi._src.ir.program import Program, Recv, Run, Send
+
+__all__ = ["TimedWalk"]
+
+# A message still owed: (value, sender, receiver).
+_Owed = tuple[Value, int, int]
+
+
+class TimedWalk(Walk):
+    """Walks the graph in estimated time and appends each group's instructions.
+
+    Note: timed order
+      The round walk (`RoundWalk.run`) gives every task one round, so with tasks of
+      different lengths a message lands on its sender after tasks that, in time, come
+      after the receiver needs it (a backward twice a forward, a long weight-gradient
+      task before a send). This walk plays the groups in estimated time instead
+      (`latency` per task; messages take no time): each group is busy until `time[g]`;
+      the earliest group acts next (ties by index): it first delivers its pending
+      messages with each peer that is there at the same time (both idle: they cost
+      neither), then runs its next task if its inputs are present, else waits for the
+      next event. Before running a task while a value it made is still owed to a busy
+      peer, it compares the estimated end of the step both ways (`tail`: the longest
+      path from a task's start to the end of the step, along group order and data) and
+      waits for the peer when that ends earlier. Donated values are delivered before
+      their task runs (`Note: donation`), waiting for the peer if needed.
+
+      The best order depends on task times the compiler does not know, and a walk on
+      a wrong estimate can wait where the round walk does not. So the lowering
+      (`_lower_best` in lower.py) builds the round order and the eager and lazy timed
+      orders under each of four estimates (`ESTIMATES` in task_models.py, the
+      task-time models of `MODELS`: no single estimate wins everywhere: on 4 groups
+      Interleaved and KimiK2 reach their own timeline under every model when walked
+      with B four times F, ZeroBubble and DualPipeV gain only from the lazy walk on the
+      defaults) and simulates each under every model, each task at its time under the
+      model as the walks estimated it (`label_times`: the first stage's W, which has no
+      I task, does both), and with the runtime's sends (`sends`: blocking, or posted
+      where the MPI executor posts them, `Note: posted sends` in mpi/posted.py; every
+      candidate is deadlock-free with blocking sends either way); a timed order
+      replaces the round order only if it is no slower under any model, and the one
+      with the best mean wins. bench/lowering.py measures the result against each
+      schedule's own dataflow timeline. When the user gives measured task times
+      (`task_times_ms`), there is nothing to hedge: the walks also run on those times
+      and the program fastest under them wins (`_lower_measured` in lower.py).
+
+      With `eager`, two idle groups exchange every value one owes the other; without,
+      only what the receiver's next task needs or what a receiver with nothing ready
+      takes (a receive before an independent Run could make that Run wait on the
+      sender, if the estimate is wrong). Each event is still appended at one point of a
+      single global order, both sides of a message at once, so `Note: global order`'s
+      argument (rendezvous play, no deadlock) holds unchanged.
+    """
+
+    def __init__(self, graph: TaskGraph, latency: Mapping[str, float], eager: bool,
+                 index: WalkIndex | None = None):
+        super().__init__(graph, index)
+        self.latency = latency
+        self.eager = eager
+        n = len(self.groups)
+        self.time = [0.0] * n
+        # per group, the messages it owes or is owed, keyed by (value, receiver)
+        self.pending: list[dict[tuple[Value, int], _Owed]] = [{} for _ in range(n)]
+        readers = self.index.readers
+        for v in self.input_bufs:
+            src = self.prod[v]
+            for dst in readers.get(v, ()):
+                self.pending[src][v, dst] = self.pending[dst][v, dst] = (v, src, dst)
+        self.tail = self.index.tails(latency)
+        # per message event, its value; per exchange, (a's value, b's value)
+        self.moved: list[Value | tuple[Value, Value]] = []
+        self._emitted = False
+
+    def run(self) -> None:
+        """Plays the groups in estimated time until all tasks ran and all values arrived.
+
+        One loop over plain lists (`Note: the timed walk's loop`).
+
+        Raises:
+          ValueError: if no group can act (the task order has a cycle across groups).
+
+        Note: the timed walk's loop
+          Each step, the earliest group acts (`act`: deliver, wait, run or idle until
+          the next event; ties by index). The state is per group in plain lists (its
+          next task, the values present, its clock) and per group a dict of the
+          messages it owes or is owed, each as (value, sender, receiver), read in
+          sorted order. A value's messages are owed to all its readers on other groups
+          when it is made: nothing is delivered before it is owed, so every reader is
+          still waiting then. A donated value is never owed when its task runs: a task
+          runs only once no message of its group's donated values is pending (`act`
+          waits for a busy peer, or delivers to an idle one first), so unlike the round
+          walk the run itself never sends (`Note: donation`).
+
+        Note: emitted once
+          The walk records only its events and the values its messages move
+          (`moved`): that is all of its order, as every group runs its tasks in its
+          own order. The lowering walks several candidates and keeps one, so the
+          instructions and buffers are made once, for the program asked of a walk
+          (`_emit`, playing the events in order: each group's buffers are defined in
+          the same order as if the walk had made them as it went). Two walks with the
+          same events and values make the same program, which is how lower.py tells
+          distinct walks apart.
+        """
+        groups, pending, time = self.groups, self.pending, self.time
+        tasks = [gs.tasks for gs in groups]
+        ends = [len(ts) for ts in tasks]
+        pos = [gs.pos for gs in groups]
+        have = [set(gs.bufs) for gs in groups]  # per group, the values present
+        latency, tail, eager = self.latency, self.tail, self.eager
+        first_use, sent, readers = self.index.first_use, self.index.sent, self.index.readers
+        events, moved = self.events, self.moved
+
+        def deliver(messages: list[_Owed]) -> bool:
+            """Delivers `messages` pair by pair (sorted), in the order receivers need
+            them (`Note: global order`: the k-th message each way between a pair is an
+            exchange); returns whether a group may have ended (nothing left owed)."""
+            by_pair: dict[tuple[int, int], list[_Owed]] = {}
+            for m in messages:
+                key = (m[1], m[2]) if m[1] < m[2] else (m[2], m[1])
+                by_pair.setdefault(key, []).append(m)
+            ended = False
+            for a, b in sorted(by_pair) if len(by_pair) > 1 else by_pair:
+                ms = by_pair[a, b]
+                up = [m for m in ms if m[1] == a]
+                down = [m for m in ms if m[1] != a] if len(up) < len(ms) else []
+                # each way in the order the receiver reads them (stable: the sort of
+                # `ms` as a whole, split)
+                if len(up) > 1:
+                    up.sort(key=lambda m: (first_use[b][m[0]], m[0]))
+                if len(down) > 1:
+                    down.sort(key=lambda m: (first_use[a][m[0]], m[0]))
+                for k in range(max(len(up), len(down))):
+                    if k < len(up) and k < len(down):
+                        v, w = up[k][0], down[k][0]
+                        have[b].add(v)
+                        have[a].add(w)
+                        events.append((a, b, True))
+                        moved.append((v, w))
+                    else:
+                        v, s, d = up[k] if k < len(up) else down[k]
+                        have[d].add(v)
+                        events.append((s, d, False))
+                        moved.append(v)
+                owed_a, owed_b = pending[a], pending[b]
+                for v, _, d in ms:
+                    del owed_a[v, d], owed_b[v, d]
+                if not (owed_a and owed_b):
+                    ended = True
+                time[a] = time[b] = max(time[a], time[b])
+            return ended
+
+        def takes_now(m: _Owed) -> bool:
+            """Whether m's receiver, idle, should take m now (see `Note: timed order`)."""
+            r = m[2]
+            p = pos[r]
+            if p >= ends[r]:
+                return True
+            ins = tasks[r][p].ins
+            return m[0] in ins or not all(map(have[r].__contains__, ins))  # or r waits
+
+        def worth_waiting(m: _Owed, task: TaskNode, t: float) -> bool:
+            """Whether g should wait for busy m's receiver to take m before running
+            `task` at t."""
+            h = m[2]
+            th, hts = time[h], tasks[h]
+            use = first_use[h][m[0]]
+            before = sum(latency[x.name] for x in hts[pos[h]:use])
+            consumer = tail[hts[use].name]
+            end_wait = max(th + tail[task.name], th + before + consumer)
+            end_run = max(t + tail[task.name],
+                          max(th + before, t + latency[task.name]) + consumer)
+            return end_wait < end_run
+
+        def act(g: int, live: list[int]) -> int:
+            """One step of group g at its time: 0 if nothing changed, 2 if a group may
+            have ended, else 1."""
+            t = time[g]
+            owes = pending[g]
+            if owes:
+                owed = [owes[k] for k in sorted(owes)]  # by value, then receiver
+                if eager:
+                    here = [m for m in owed if time[m[1] if m[2] == g else m[2]] <= t]
+                else:
+                    here = [m for m in owed
+                            if time[m[1] if m[2] == g else m[2]] <= t and takes_now(m)]
+                if here:
+                    return 2 if deliver(here) else 1
+            p = pos[g]
+            b = have[g]
+            if p < ends[g] and all(map(b.__contains__, tasks[g][p].ins)):
+                task = tasks[g][p]
+                donate = task.donate
+                if owes:
+                    busy = [m for m in owed if m[1] == g and time[m[2]] > t]
+                    wait = [time[m[2]] for m in busy if m[0] in donate] or [
+                        time[m[2]] for m in busy if worth_waiting(m, task, t)]
+                    if wait:
+                        time[g] = min(wait)
+                        return 1
+                    # A donated value owed to an idle peer that did not take it yet
+                    # (`takes_now`) goes now, before its task consumes it.
+                    donated = [m for m in owed if m[1] == g and m[0] in donate]
+                    if donated:
+                        return 2 if deliver(donated) else 1
+                if donate:
+                    b.difference_update(donate)
+                b.update(task.outs)
+                events.append((g, task.name))
+                pos[g] = p + 1
+                for v in sent[task.name]:  # the outputs some other group reads
+                    for dst in readers[v]:
+                        pending[g][v, dst] = pending[dst][v, dst] = (v, g, dst)
+                time[g] = t + latency[task.name]
+                return 2 if p + 1 == ends[g] else 1
+            later = [time[h] for h in live if time[h] > t]
+            if later:
+                time[g] = min(later)
+                return 1
+            return 0
+
+        live = list(range(len(groups)))
+        ended = True  # whether a group may have ended since the loop last looked
+        try:
+            while True:
+                # A group with no task left and nothing owed to or by it never acts
+                # again; only a group's last task or a delivery can end one.
+                if ended:
+                    live = [g for g in live if pos[g] < ends[g] or pending[g]]
+                    if not live:
+                        return
+                # The earliest group almost always acts; `act` changes nothing when
+                # it does not, so trying it first and then every group in order is the
+                # same walk. `live` ascends, and min and sorted keep the first of
+                # equals: ties by index.
+                done = act(min(live, key=time.__getitem__), live)
+                if not done:
+                    for g in sorted(live, key=time.__getitem__):
+                        done = act(g, live)
+                        if done:
+                            break
+                    else:
+                        for gs, p in zip(groups, pos):
+                            gs.pos = p
+                        self._emit()  # the groups' buffers, for the message
+                        raise ValueError(self._stuck_message())
+                ended = done == 2
+        finally:
+            for gs, p in zip(groups, pos):
+                gs.pos = p
+
+    def program(self) -> tuple[Program, BufferNames]:
+        """The Program of the walk `run` took (`Walk.program`; `_emit` first)."""
+        self._emit()
+        return super().program()
+
+    def _emit(self) -> None:
+        """Appends each group's instructions and defines its buffers, playing the walk's
+        events in order (`Note: emitted once`); once."""
+        if self._emitted:
+            return
+        self._emitted = True
+        groups, avals = self.groups, self.graph.avals
+        pos = [0] * len(groups)
+        moved = iter(self.moved)
+        for e in self.events:
+            if len(e) == 2:
+                gs = groups[e[0]]
+                task = gs.tasks[pos[e[0]]]
+                pos[e[0]] += 1
+                bufs = gs.bufs
+                ins = tuple(map(bufs.__getitem__, task.ins))
+                gone = tuple(map(bufs.pop, task.donate)) if task.donate else ()
+                gs.instrs.append((Run, (task.exe, ins, gs.define_all(task.outs), task.name, gone)))
+            elif e[2]:
+                a, b = groups[e[0]], groups[e[1]]
+                v, w = next(moved)
+                v_send, w_send = a.bufs[v], b.bufs[w]
+                v_recv, w_recv = b.define(v), a.define(w)
+                a.instrs += [(Send, (v_send, e[1], -1)), (Recv, (w_recv, e[1], -1, avals[w]))]
+                b.instrs += [(Send, (w_send, e[0], -1)), (Recv, (v_recv, e[0], -1, avals[v]))]
+            else:
+                src, dst = groups[e[0]], groups[e[1]]
+                v = next(moved)
+                src.instrs.append((Send, (src.bufs[v], e[1], -1)))
+                dst.instrs.append((Recv, (dst.define(v), e[0], -1, avals[v])))
