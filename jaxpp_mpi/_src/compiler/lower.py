@@ -52,7 +52,7 @@ def _timed_walks(graph: TaskGraph, estimates: Iterable[Mapping[str, float]],
     the times of kinds of task a graph may lack: without I and W tasks, the second
     and the fourth model give every task the same time). A walk whose events and
     moved values equal an earlier one's makes the same program (`Note: emitted once`
-    in timed_walk.py) and is dropped. Two walks could still make the same program in
+    in walks.py) and is dropped. Two walks could still make the same program in
     different global orders: both are yielded then, and score alike, and the callers
     keep the earlier of equal scores, so the choice is the one by programs.
     """
@@ -118,13 +118,14 @@ def _lower_best(graph: TaskGraph, sends: str = "blocking") -> tuple[Program, Buf
     n = graph.num_groups
     best: Walk = RoundWalk(graph, index)
     best.run()
-    base = task_models.walk_scores(best.events, n, sends)
+    labels = frozenset(t.name for ts in graph.tasks for t in ts)  # every walk runs them all
+    base = task_models.walk_scores(best.events, n, sends, labels)
     bound = task_models.dataflow_scores(graph, index.order)
     if not _at_bound(base, bound):  # else: already the graph's own timeline
         best_mean = sum(base) / len(base)
         estimates = (task_models.estimate(graph, m) for m in task_models.ESTIMATES)
         for walk in _timed_walks(graph, estimates, index):
-            scores = task_models.walk_scores(walk.events, n, sends)
+            scores = task_models.walk_scores(walk.events, n, sends, labels)
             mean = sum(scores) / len(scores)
             if all(x <= y + 1e-9 for x, y in zip(scores, base)) and mean < best_mean - 1e-9:
                 best, best_mean = walk, mean

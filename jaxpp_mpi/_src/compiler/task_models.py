@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import operator
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from jaxpp_mpi._src.compiler.task_graph import TaskGraph, TaskNode
 from jaxpp_mpi._src.compiler.walks import Event, dataflow_order
@@ -61,8 +61,15 @@ def kind_latency(model: TaskModel, label: str) -> float:
 
 
 def estimate(graph: TaskGraph, model: TaskModel) -> dict[str, float]:
-    """Per task name, its time under `model` (`label_times`)."""
-    return label_times({t.name for ts in graph.tasks for t in ts}, model)
+    """Per task name, its time under `model` (`label_times`).
+
+    For a model of `MODELS`, the dict is the one `walk_scores` times that model with,
+    made once per set of names (`_model_latencies`): read it, do not change it.
+    """
+    names = frozenset(t.name for ts in graph.tasks for t in ts)
+    if model in MODELS:
+        return _model_latencies(names)[MODELS.index(model)]
+    return label_times(names, model)
 
 
 def label_times(names: set[str], model: TaskModel) -> dict[str, float]:
@@ -103,7 +110,7 @@ def _kind_counts(names: frozenset[str]) -> dict[str, tuple[int, int, int, int]]:
 
 
 def play_walk(events: Sequence[Event], num_groups: int,
-              times: Callable[[str], tuple[float, ...]], k: int,
+              latencies: Sequence[Mapping[str, float]],
               sends: str = "blocking") -> list[tuple[float, float]]:
     """Per set of task times, (makespan, busiest group's work) of the program a walk
     emits, played from the walk's events alone (`Note: walk events` in walks.py).
@@ -111,17 +118,12 @@ def play_walk(events: Sequence[Event], num_groups: int,
     The makespan is `simulate.simulate`'s with free messages and `sends` (the winner is
     checked by `simulate.verify`): a Run ends its task's time after it starts; a
     blocking message when both sides have reached it, a posted one when its receiver
-    has reached it and its sender had. `times(label)` gives a task's time in each of
-    the `k` sets.
+    has reached it and its sender had. Each of `latencies` is one set of times, per
+    task label (every label the events run).
     """
-    per_label: dict[str, tuple[float, ...]] = {}
-    for e in events:
-        if len(e) == 2 and e[1] not in per_label:
-            per_label[e[1]] = times(e[1])
     posted = sends == "posted"
     out = []
-    for m in range(k):  # one set of times at a time: a tight loop per event
-        latency = {label: ts[m] for label, ts in per_label.items()}
+    for latency in latencies:  # one set of times at a time: a tight loop per event
         clock = [0.0] * num_groups
         work = [0.0] * num_groups
         for e in events:
@@ -144,22 +146,26 @@ def play_walk(events: Sequence[Event], num_groups: int,
     return out
 
 
-def walk_scores(events: Sequence[Event], num_groups: int,
-                sends: str = "blocking") -> tuple[float, ...]:
+def walk_scores(events: Sequence[Event], num_groups: int, sends: str = "blocking",
+                labels: frozenset[str] | None = None) -> tuple[float, ...]:
     """Per model of `MODELS`: the makespan over the busiest group's work (`play_walk`),
-    each task at its time under the model as the walks estimate it (`estimate`)."""
-    labels = frozenset(e[1] for e in events if len(e) == 2)
-    played = play_walk(events, num_groups, _model_times(labels).__getitem__, len(MODELS),
-                       sends)
+    each task at its time under the model as the walks estimate it (`estimate`).
+
+    `labels`: every label the events run, or more (the graph's task names, the same
+    for all its walks); found from the events if None.
+    """
+    if labels is None:
+        labels = frozenset(e[1] for e in events if len(e) == 2)
+    played = play_walk(events, num_groups, _model_latencies(labels), sends)
     return tuple(_ratio(*x) for x in played)
 
 
 def walk_makespan(events: Sequence[Event], num_groups: int, latency: Mapping[str, float],
                   sends: str = "blocking") -> float:
     """The makespan of the program a walk emits (`play_walk`), each Run taking its
-    task's time in `latency`."""
-    return play_walk(events, num_groups, lambda label: (latency.get(label, 0.0),), 1,
-                     sends)[0][0]
+    task's time in `latency` (0 if it has none)."""
+    times = {e[1]: latency.get(e[1], 0.0) for e in events if len(e) == 2}
+    return play_walk(events, num_groups, (times,), sends)[0][0]
 
 
 def _ratio(makespan: float, busiest: float) -> float:
@@ -168,11 +174,10 @@ def _ratio(makespan: float, busiest: float) -> float:
 
 
 @functools.lru_cache(maxsize=2)
-def _model_times(labels: frozenset[str]) -> dict[str, tuple[float, ...]]:
-    """Per label, its time under each model of `MODELS` (`label_times_models`); kept
-    for the next call, as a graph's candidates all run the same tasks."""
-    per_model = label_times_models(labels, MODELS)
-    return {label: tuple(t.get(label, 0.0) for t in per_model) for label in labels}
+def _model_latencies(labels: frozenset[str]) -> list[dict[str, float]]:
+    """Per model of `MODELS`, per label, its time (`label_times_models`); kept for the
+    next call, as a graph's estimates and candidates all time the same tasks."""
+    return label_times_models(labels, MODELS)
 
 
 def dataflow_scores(graph: TaskGraph, order: Sequence[TaskNode] | None = None
@@ -191,7 +196,8 @@ def dataflow_scores(graph: TaskGraph, order: Sequence[TaskNode] | None = None
         order, complete = dataflow_order(graph)
         if not complete:  # cannot happen for a graph the lowering walked
             return zero
-    times = _model_times(frozenset(t.name for t in order))
+    per_model = _model_latencies(frozenset(t.name for t in order))
+    times = {t.name: tuple(m[t.name] for m in per_model) for t in order}
     # value -> (its group, its time under each model); a value made on the task's own
     # group is done by the group's clock already, so only the others' are waited for
     finish = {v: (g, zero) for v, g, _ in graph.inputs}

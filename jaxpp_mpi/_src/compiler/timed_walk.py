@@ -8,8 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from jaxpp_mpi._src.compiler.task_graph import TaskGraph, TaskNode, Value
-from jaxpp_mpi._src.compiler.walks import BufferNames, Walk, WalkIndex
-from jaxpp_mpi._src.ir.program import Program, Recv, Run, Send
+from jaxpp_mpi._src.compiler.walks import Walk, WalkIndex
 
 __all__ = ["TimedWalk"]
 
@@ -76,9 +75,6 @@ class TimedWalk(Walk):
             for dst in readers.get(v, ()):
                 self.pending[src][v, dst] = self.pending[dst][v, dst] = (v, src, dst)
         self.tail = self.index.tails(latency)
-        # per message event, its value; per exchange, (a's value, b's value)
-        self.moved: list[Value | tuple[Value, Value]] = []
-        self._emitted = False
 
     def run(self) -> None:
         """Plays the groups in estimated time until all tasks ran and all values arrived.
@@ -98,23 +94,14 @@ class TimedWalk(Walk):
           still waiting then. A donated value is never owed when its task runs: a task
           runs only once no message of its group's donated values is pending (`act`
           waits for a busy peer, or delivers to an idle one first), so unlike the round
-          walk the run itself never sends (`Note: donation`).
-
-        Note: emitted once
-          The walk records only its events and the values its messages move
-          (`moved`): that is all of its order, as every group runs its tasks in its
-          own order. The lowering walks several candidates and keeps one, so the
-          instructions and buffers are made once, for the program asked of a walk
-          (`_emit`, playing the events in order: each group's buffers are defined in
-          the same order as if the walk had made them as it went). Two walks with the
-          same events and values make the same program, which is how lower.py tells
-          distinct walks apart.
+          walk the run itself never sends (`Note: donation`). Like every walk, it
+          records events and moved values only (`Note: emitted once` in walks.py).
         """
         groups, pending, time = self.groups, self.pending, self.time
         tasks = [gs.tasks for gs in groups]
         ends = [len(ts) for ts in tasks]
         pos = [gs.pos for gs in groups]
-        have = [set(gs.bufs) for gs in groups]  # per group, the values present
+        have = [gs.have for gs in groups]  # per group, the values present
         latency, tail, eager = self.latency, self.tail, self.eager
         first_use, sent, readers = self.index.first_use, self.index.sent, self.index.readers
         events, moved = self.events, self.moved
@@ -250,45 +237,8 @@ class TimedWalk(Walk):
                     else:
                         for gs, p in zip(groups, pos):
                             gs.pos = p
-                        self._emit()  # the groups' buffers, for the message
                         raise ValueError(self._stuck_message())
                 ended = done == 2
         finally:
             for gs, p in zip(groups, pos):
                 gs.pos = p
-
-    def program(self) -> tuple[Program, BufferNames]:
-        """The Program of the walk `run` took (`Walk.program`; `_emit` first)."""
-        self._emit()
-        return super().program()
-
-    def _emit(self) -> None:
-        """Appends each group's instructions and defines its buffers, playing the walk's
-        events in order (`Note: emitted once`); once."""
-        if self._emitted:
-            return
-        self._emitted = True
-        groups, avals = self.groups, self.graph.avals
-        pos = [0] * len(groups)
-        moved = iter(self.moved)
-        for e in self.events:
-            if len(e) == 2:
-                gs = groups[e[0]]
-                task = gs.tasks[pos[e[0]]]
-                pos[e[0]] += 1
-                bufs = gs.bufs
-                ins = tuple(map(bufs.__getitem__, task.ins))
-                gone = tuple(map(bufs.pop, task.donate)) if task.donate else ()
-                gs.instrs.append((Run, (task.exe, ins, gs.define_all(task.outs), task.name, gone)))
-            elif e[2]:
-                a, b = groups[e[0]], groups[e[1]]
-                v, w = next(moved)
-                v_send, w_send = a.bufs[v], b.bufs[w]
-                v_recv, w_recv = b.define(v), a.define(w)
-                a.instrs += [(Send, (v_send, e[1], -1)), (Recv, (w_recv, e[1], -1, avals[w]))]
-                b.instrs += [(Send, (w_send, e[0], -1)), (Recv, (v_recv, e[0], -1, avals[v]))]
-            else:
-                src, dst = groups[e[0]], groups[e[1]]
-                v = next(moved)
-                src.instrs.append((Send, (src.bufs[v], e[1], -1)))
-                dst.instrs.append((Recv, (dst.define(v), e[0], -1, avals[v])))

@@ -39,14 +39,17 @@ class _Message(NamedTuple):
 
 @dataclasses.dataclass
 class _Group:
-    """The lowering's mutable state for one group."""
+    """The lowering's mutable state for one group: what a walk reads and changes (`have`,
+    `pos`), and the instructions and buffers made from its events (`Note: emitted
+    once`)."""
 
     tasks: tuple[TaskNode, ...]
+    have: set[Value] = dataclasses.field(default_factory=set)  # the values present
+    pos: int = 0  # index of the next task
     # the instructions as (class, arguments), made only for the kept walk's program
     instrs: list[tuple[type[Instr], tuple]] = dataclasses.field(default_factory=list)
     bufs: dict[Value, int] = dataclasses.field(default_factory=dict)  # value -> live buffer
     names: list[Value] = dataclasses.field(default_factory=list)  # buffer id -> value
-    pos: int = 0  # index of the next task
 
     def define(self, v: Value) -> int:
         """A fresh buffer for `v`; ids count up in order of definition."""
@@ -70,11 +73,11 @@ class _Group:
     def missing(self) -> tuple[Value, ...]:
         """The inputs of the next task not present on this group, in argument order."""
         t = self.next_task
-        return () if t is None else tuple(dict.fromkeys(v for v in t.ins if v not in self.bufs))
+        return () if t is None else tuple(dict.fromkeys(v for v in t.ins if v not in self.have))
 
     def ready(self) -> bool:
         """Whether there is a next task and all its inputs are present on this group."""
-        return self.pos < len(self.tasks) and all(map(self.bufs.__contains__,
+        return self.pos < len(self.tasks) and all(map(self.have.__contains__,
                                                       self.tasks[self.pos].ins))
 
 
@@ -203,14 +206,27 @@ class WalkIndex:
 
 class Walk:
     """What every walk keeps: each group's state (`_Group`), the step inputs' buffers
-    (defined first, by group and input index) and the events (`Note: walk events`); a
-    walk's `run` appends instructions and events, then `program` makes its Program.
+    (defined first, by group and input index), the events (`Note: walk events`) and the
+    values the messages move; a walk's `run` appends events, then `program` makes its
+    instructions and its Program.
+
+    Note: emitted once
+      A walk records only its events and the values its messages move (`moved`: per
+      message its value, per exchange the lower group's then the higher's): that is
+      all of its order, as every group runs its tasks in its own order. The lowering
+      walks several candidates and keeps one, so the instructions and buffers are made
+      once, for the program asked of a walk (`_emit`, playing the events in order:
+      each group's buffers are defined in the order the walk made the values present
+      there, inputs first). Two walks with the same events and values make the same
+      program, which is how lower.py tells distinct walks apart.
 
     Attributes:
       graph: the task graph.
       index: the facts the graph's walks share (`WalkIndex`).
-      groups: per group, its state: tasks, instructions, buffers and next task.
+      groups: per group, its state: tasks, values present, next task (and, once made,
+        instructions and buffers).
       events: the walk's events in order (`Note: walk events`).
+      moved: per message event, its value; per exchange (a, b, True), a's and b's.
     """
 
     def __init__(self, graph: TaskGraph, index: WalkIndex | None = None):
@@ -220,8 +236,11 @@ class Walk:
         self.groups = [_Group(ts) for ts in graph.tasks]
         self.input_bufs: dict[Value, int] = {}
         self.events: list[Event] = []  # `Note: walk events`
+        self.moved: list[Value | tuple[Value, Value]] = []
+        self._emitted = False
         for v, g, _ in sorted(graph.inputs, key=lambda x: (x[1], x[2], x[0])):
             self.input_bufs[v] = self.groups[g].define(v)
+            self.groups[g].have.add(v)
 
     def _stuck_message(self) -> str:
         lines = []
@@ -236,7 +255,9 @@ class Walk:
         return "lowering made no progress (a cycle in the task order?):\n" + "\n".join(lines)
 
     def program(self) -> tuple[Program, BufferNames]:
-        """The Program (exchanges unpaired, tags unassigned, no Frees) and buffer names."""
+        """The Program (exchanges unpaired, tags unassigned, no Frees) and buffer names
+        of the walk `run` took (`Note: emitted once`)."""
+        self._emit()
         groups = []
         for g, gs in enumerate(self.groups):
             inputs = [(self.input_bufs[v], k) for v, h, k in self.graph.inputs if h == g]
@@ -245,6 +266,38 @@ class Walk:
             instrs = tuple(make(*args) for make, args in gs.instrs)
             groups.append(GroupProgram(g, inputs, instrs, outputs, avals))
         return Program(tuple(groups)), tuple(dict(enumerate(gs.names)) for gs in self.groups)
+
+    def _emit(self) -> None:
+        """Appends each group's instructions and defines its buffers, playing the
+        events in order (`Note: emitted once`); once."""
+        if self._emitted:
+            return
+        self._emitted = True
+        groups, avals = self.groups, self.graph.avals
+        pos = [0] * len(groups)
+        moved = iter(self.moved)
+        for e in self.events:
+            if len(e) == 2:
+                gs = groups[e[0]]
+                task = gs.tasks[pos[e[0]]]
+                pos[e[0]] += 1
+                bufs = gs.bufs
+                ins = tuple(map(bufs.__getitem__, task.ins))
+                gone = tuple(map(bufs.pop, task.donate)) if task.donate else ()
+                gs.instrs.append((Run, (task.exe, ins, gs.define_all(task.outs), task.name,
+                                        gone)))
+            elif e[2]:
+                a, b = groups[e[0]], groups[e[1]]
+                v, w = next(moved)
+                v_send, w_send = a.bufs[v], b.bufs[w]
+                v_recv, w_recv = b.define(v), a.define(w)
+                a.instrs += [(Send, (v_send, e[1], -1)), (Recv, (w_recv, e[1], -1, avals[w]))]
+                b.instrs += [(Send, (w_send, e[0], -1)), (Recv, (v_recv, e[0], -1, avals[v]))]
+            else:
+                src, dst = groups[e[0]], groups[e[1]]
+                v = next(moved)
+                src.instrs.append((Send, (src.bufs[v], e[1], -1)))
+                dst.instrs.append((Recv, (dst.define(v), e[0], -1, avals[v])))
 
 
 class RoundWalk(Walk):
@@ -322,10 +375,9 @@ class RoundWalk(Walk):
             ]
             if early:
                 self._deliver(early)
-        bufs = gs.bufs
-        ins = tuple(map(bufs.__getitem__, t.ins))
-        donate = tuple(map(bufs.pop, t.donate)) if t.donate else ()
-        gs.instrs.append((Run, (t.exe, ins, gs.define_all(t.outs), t.name, donate)))
+        if t.donate:
+            gs.have.difference_update(t.donate)
+        gs.have.update(t.outs)
         self.events.append((g, t.name))
         gs.pos += 1
         return t.outs
@@ -369,27 +421,24 @@ class RoundWalk(Walk):
             else:
                 self._send((up if k < len(up) else down)[k])
 
-    def _take(self, m: _Message) -> tuple[int, int]:
-        """(sender's buffer, receiver's fresh buffer) of `m`; marks `m` delivered."""
+    def _take(self, m: _Message) -> None:
+        """Marks `m` delivered: its value is present on its receiver."""
         self.undelivered[m.value].discard(m.dst)
-        return self.groups[m.src].bufs[m.value], self.groups[m.dst].define(m.value)
+        self.groups[m.dst].have.add(m.value)
 
     def _send(self, m: _Message) -> None:
-        sbuf, rbuf = self._take(m)
-        self.groups[m.src].instrs.append((Send, (sbuf, m.dst, -1)))
-        self.groups[m.dst].instrs.append((Recv, (rbuf, m.src, -1, self.graph.avals[m.value])))
+        """`m` as a Send on its sender and a Recv on its receiver."""
+        self._take(m)
         self.events.append((m.src, m.dst, False))
+        self.moved.append(m.value)
 
     def _exchange(self, m: _Message, r: _Message) -> None:
-        """`m` (a->b) and `r` (b->a) as Send then Recv on each side.
+        """`m` (a->b, a < b) and `r` (b->a) as Send then Recv on each side.
 
         The crossing pattern becomes one SendRecv per side in `pair_exchanges` (see
         `Note: global order`).
         """
-        a, b = m.src, m.dst
-        m_send, m_recv = self._take(m)
-        r_send, r_recv = self._take(r)
-        avals = self.graph.avals
-        self.groups[a].instrs += [(Send, (m_send, b, -1)), (Recv, (r_recv, b, -1, avals[r.value]))]
-        self.groups[b].instrs += [(Send, (r_send, a, -1)), (Recv, (m_recv, a, -1, avals[m.value]))]
-        self.events.append((a, b, True))
+        self._take(m)
+        self._take(r)
+        self.events.append((m.src, m.dst, True))
+        self.moved.append((m.value, r.value))
