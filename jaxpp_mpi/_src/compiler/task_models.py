@@ -10,6 +10,7 @@ time under each model of `MODELS` (`walk_scores`), or at measured times
 from __future__ import annotations
 
 import functools
+import itertools
 import operator
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -18,9 +19,9 @@ from jaxpp_mpi._src.compiler.task_graph import TaskGraph, TaskNode
 from jaxpp_mpi._src.compiler.walks import Event, dataflow_order
 from jaxpp_mpi._src.schedules.tasks import parse_label
 
-__all__ = ["ESTIMATES", "MODELS", "TaskModel", "dataflow_scores", "estimate", "label_kinds",
-           "label_times", "label_times_models", "measured_estimate", "play_walk",
-           "walk_makespan", "walk_scores"]
+__all__ = ["ESTIMATES", "MODELS", "ScorePlay", "TaskModel", "dataflow_scores", "estimate",
+           "group_work", "label_kinds", "label_times", "label_times_models",
+           "measured_estimate", "play_walk", "walk_makespan", "walk_scores"]
 
 # Task-time models, (F, B, I, W) per kind letter (`kind_latency`). Each drives timed
 # walks (`ESTIMATES`: the first the one the walks used alone before); the lowering keeps
@@ -126,24 +127,87 @@ def play_walk(events: Sequence[Event], num_groups: int,
     for latency in latencies:  # one set of times at a time: a tight loop per event
         clock = [0.0] * num_groups
         work = [0.0] * num_groups
-        for e in events:
-            if len(e) == 2:
-                g = e[0]
-                t = latency[e[1]]
-                clock[g] += t
-                work[g] += t
-            elif posted and not e[2]:  # the sender went on when it posted the send
-                a, b = e[0], e[1]
-                if clock[a] > clock[b]:
-                    clock[b] = clock[a]
-            else:
-                a, b = e[0], e[1]
-                if clock[a] > clock[b]:
-                    clock[b] = clock[a]
-                else:
-                    clock[a] = clock[b]
+        _play(events, 0, clock, work, latency, posted)
         out.append((max(clock, default=0.0), max(work, default=0.0)))
     return out
+
+
+def _play(events: Sequence[Event], start: int, clock: list[float], work: list[float],
+          latency: Mapping[str, float], posted: bool) -> None:
+    """Plays `events[start:]` on the groups' clocks and work so far (`play_walk`)."""
+    for e in itertools.islice(events, start, None):
+        if len(e) == 2:
+            g = e[0]
+            t = latency[e[1]]
+            clock[g] += t
+            work[g] += t
+        elif posted and not e[2]:  # the sender went on when it posted the send
+            a, b = e[0], e[1]
+            if clock[a] > clock[b]:
+                clock[b] = clock[a]
+        else:
+            a, b = e[0], e[1]
+            if clock[a] > clock[b]:
+                clock[b] = clock[a]
+            else:
+                clock[a] = clock[b]
+
+
+def group_work(graph: TaskGraph, labels: frozenset[str]) -> list[list[float]]:
+    """Per model of `MODELS`, per group: its tasks' times added in its order (as
+    `play_walk` adds them up as the busiest group's work, bit for bit)."""
+    out = []
+    for latency in _model_latencies(labels):
+        work = []
+        for ts in graph.tasks:
+            w = 0.0
+            for t in ts:
+                w += latency[t.name]
+            work.append(w)
+        out.append(work)
+    return out
+
+
+class ScorePlay:
+    """A walk's events played under every model of `MODELS` while the walk goes on
+    (`Note: hopeless walks` in lower.py): `scores` at the end equals `walk_scores`, bit
+    for bit (the same additions and maxima, in the same order), and `floor` before
+    the end bounds them from below.
+
+    Args:
+      num_groups: the graph's groups.
+      labels: the graph's task names (`walk_scores`).
+      work: `group_work(graph, labels)`.
+      sends: as `walk_scores`'.
+    """
+
+    def __init__(self, num_groups: int, labels: frozenset[str], work: list[list[float]],
+                 sends: str = "blocking"):
+        self.latencies = _model_latencies(labels)
+        self.work = work
+        self.posted = sends == "posted"
+        self.clocks = [[0.0] * num_groups for _ in self.latencies]
+        self.done = [[0.0] * num_groups for _ in self.latencies]  # work played so far
+        self.played = 0
+
+    def advance(self, events: Sequence[Event]) -> None:
+        """Plays the events not played yet (`events` extends those given before)."""
+        for clock, done, latency in zip(self.clocks, self.done, self.latencies):
+            _play(events, self.played, clock, done, latency, self.posted)
+        self.played = len(events)
+
+    def floor(self) -> tuple[float, ...]:
+        """Per model, a lower bound of the final score: every group still runs the rest
+        of its tasks after its clock (up to rounding: lower.py leaves a margin)."""
+        return tuple(
+            _ratio(max((c + (w - d) for c, w, d in zip(clock, work, done)), default=0.0),
+                   max(work, default=0.0))
+            for clock, work, done in zip(self.clocks, self.work, self.done))
+
+    def scores(self) -> tuple[float, ...]:
+        """The final scores, once every event is played (`walk_scores`')."""
+        return tuple(_ratio(max(clock, default=0.0), max(done, default=0.0))
+                     for clock, done in zip(self.clocks, self.done))
 
 
 def walk_scores(events: Sequence[Event], num_groups: int, sends: str = "blocking",

@@ -5,7 +5,7 @@ walks.py, is the other).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from jaxpp_mpi._src.compiler.task_graph import TaskGraph, TaskNode, Value
 from jaxpp_mpi._src.compiler.walks import Walk, WalkIndex
@@ -14,6 +14,7 @@ __all__ = ["TimedWalk"]
 
 # A message still owed: (value, sender, receiver).
 _Owed = tuple[Value, int, int]
+_ASK_EVERY = 256  # steps of a walk between two questions to `hopeless`
 
 
 class TimedWalk(Walk):
@@ -75,11 +76,16 @@ class TimedWalk(Walk):
             for dst in readers.get(v, ()):
                 self.pending[src][v, dst] = self.pending[dst][v, dst] = (v, src, dst)
         self.tail = self.index.tails(latency)
+        self.stopped = False  # whether `run` stopped early (`hopeless`)
 
-    def run(self) -> None:
+    def run(self, hopeless: Callable[[], bool] | None = None) -> None:
         """Plays the groups in estimated time until all tasks ran and all values arrived.
 
         One loop over plain lists (`Note: the timed walk's loop`).
+
+        Args:
+          hopeless: asked every `_ASK_EVERY` steps; once it answers True, the walk stops
+            where it is and `stopped` is True (`Note: hopeless walks` in lower.py).
 
         Raises:
           ValueError: if no group can act (the task order has a cycle across groups).
@@ -216,6 +222,7 @@ class TimedWalk(Walk):
 
         live = list(range(len(groups)))
         ended = True  # whether a group may have ended since the loop last looked
+        ask = _ASK_EVERY if hopeless is not None else -1
         try:
             while True:
                 # A group with no task left and nothing owed to or by it never acts
@@ -239,6 +246,12 @@ class TimedWalk(Walk):
                             gs.pos = p
                         raise ValueError(self._stuck_message())
                 ended = done == 2
+                ask -= 1
+                if not ask:
+                    if hopeless():
+                        self.stopped = True
+                        return
+                    ask = _ASK_EVERY
         finally:
             for gs, p in zip(groups, pos):
                 gs.pos = p

@@ -1,8 +1,9 @@
 """The lowering's choice among its candidate orders equals the choice over all of them.
 
 `_lower_best` scores walks from their events, walks an estimate equal to an earlier one
-once, and stops walking once a timed order
-reaches the graph's dataflow timeline (a lower bound of every program's scores); this
+once, stops a walk that can no longer win (`Note: hopeless walks`), and stops walking
+once a timed order reaches the graph's dataflow timeline (a lower bound of every
+program's scores); this
 checks, schedule by schedule, that the program it keeps is the one scoring every
 candidate's program would keep, and that a walk's events play as its program does.
 """
@@ -58,6 +59,50 @@ def test_choice_equals_the_exhaustive_one(name, groups, num_microbatches):
     program, names = lower._lower_best(graph)
     want, want_names = exhaustive_best(graph)
     assert program == want and names == want_names
+
+
+def test_stopping_hopeless_walks_keeps_the_choice(monkeypatch):
+    """With the walks asked after every step whether they are hopeless (`Note: hopeless
+    walks`), the choice is still the exhaustive one, schedule by schedule; some walks
+    do stop, and some run to their end."""
+    monkeypatch.setattr(timed_walk, "_ASK_EVERY", 1)
+    stopped = []
+    run = timed_walk.TimedWalk.run
+
+    def spy(self, hopeless=None):
+        run(self, hopeless)
+        stopped.append(self.stopped)
+
+    monkeypatch.setattr(timed_walk.TimedWalk, "run", spy)
+    for name in sorted(SCHEDULES):
+        for groups, num_microbatches in [(4, 8), (4, 16)]:
+            graph = schedule_graph(SCHEDULES[name](groups), num_microbatches)
+            program, names = lower._lower_best(graph)
+            want, want_names = exhaustive_best(graph)
+            assert program == want and names == want_names, (name, groups, num_microbatches)
+    assert any(stopped) and not all(stopped)
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+@pytest.mark.parametrize("sends", ["blocking", "posted"])
+def test_a_score_play_floors_and_equals_walk_scores(name, sends):
+    """`ScorePlay` bounds a walk's final scores from below at every prefix of its
+    events, and ends at `walk_scores`' scores, bit for bit."""
+    graph = schedule_graph(SCHEDULES[name](4), 8)
+    labels = frozenset(t.name for ts in graph.tasks for t in ts)
+    work = task_models.group_work(graph, labels)
+    n = graph.num_groups
+    estimates = [task_models.estimate(graph, m) for m in task_models.ESTIMATES]
+    rounds = walks.RoundWalk(graph)
+    rounds.run()
+    for walk in [rounds, *lower._timed_walks(graph, estimates)]:
+        final = task_models.walk_scores(walk.events, n, sends)
+        play = task_models.ScorePlay(n, labels, work, sends)
+        for k in range(0, len(walk.events) + 1, 7):
+            play.advance(walk.events[:k])
+            assert all(f <= s + 1e-12 for f, s in zip(play.floor(), final))
+        play.advance(walk.events)
+        assert play.scores() == final
 
 
 def test_dataflow_scores_bound_every_candidate():
