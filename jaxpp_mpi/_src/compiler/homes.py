@@ -138,11 +138,20 @@ def assign_outer_homes(
     loop = eqns[loop_index]
     home: dict = {v: g for v, g in zip(loop.outvars, loop_out_groups)}
     eqn_home: dict[int, int] = {}
+    nbytes: dict = {}  # (shape, dtype) -> `_nbytes` of a var of that aval
+
+    def size(v) -> int:
+        aval = v.aval
+        n = nbytes.get((aval.shape, aval.dtype))
+        if n is None:
+            n = nbytes[aval.shape, aval.dtype] = _nbytes(v)
+        return n
+
     for k in range(loop_index + 1, len(eqns)):
         homed = [v for v in eqns[k].invars if _is_var(v) and v in home]
         if not homed:
             continue
-        best = max(homed, key=lambda v: (_nbytes(v), -home[v]))
+        best = max(homed, key=lambda v: (size(v), -home[v]))
         eqn_home[k] = home[best]
         for v in eqns[k].outvars:
             home[v] = home[best]
@@ -154,11 +163,12 @@ def assign_outer_homes(
             needed.setdefault(v, set()).update(groups)
 
     invars = list(jaxpr.invars)
+    position = {v: j for j, v in reversed(list(enumerate(invars)))}  # first positions
     first_reader: dict = {}
     for k in range(loop_index + 1, len(eqns)):
         if k in eqn_home:
             for v in eqns[k].invars:
-                if _is_var(v) and v in invars:
+                if _is_var(v) and v in position:
                     first_reader.setdefault(v, eqn_home[k])
     for v in jaxpr.outvars:
         need(v, {0})
@@ -187,8 +197,8 @@ def assign_outer_homes(
     for v in jaxpr.outvars:
         if _is_var(v) and v in home:
             output_group.append(home[v])
-        elif _is_var(v) and v in invars:  # an input passed through stays with its owner
-            output_group.append(owners[invars.index(v)])
+        elif _is_var(v) and v in position:  # an input passed through stays with its owner
+            output_group.append(owners[position[v]])
         else:
             output_group.append(0)
     return OuterHomes(eqn_groups, tuple(owners), tuple(needs), tuple(output_group),

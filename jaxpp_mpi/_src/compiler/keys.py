@@ -77,14 +77,27 @@ def aval_of(aval, spec: Spec = ()) -> Aval:
     Raises:
       CompileError: `aval` has an extended dtype that is not a PRNG key.
     """
-    shape, dtype = tuple(aval.shape), aval.dtype
+    shape, dtype, spec = tuple(aval.shape), aval.dtype, tuple(spec)
+    try:
+        return _aval_cached(shape, dtype, spec)
+    except TypeError:  # an unhashable part: made afresh (never in a traced step)
+        return _aval(shape, dtype, spec)
+
+
+def _aval(shape: tuple, dtype, spec: tuple) -> Aval:
+    """`aval_of`'s Aval of `shape`, `dtype` and `spec`."""
     if is_key(dtype):
         data = _key_data_struct(shape, dtype)
         shape, dtype = tuple(data.shape), data.dtype
     elif jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
         raise CompileError(f"a value of the step has dtype {dtype}; jaxpp_mpi moves arrays "
                            "of numpy dtypes and typed PRNG keys only")
-    return Aval(shape, np.dtype(dtype).name, tuple(spec))
+    return Aval(shape, np.dtype(dtype).name, spec)
+
+
+# A step has thousands of values of a few dozen avals, and a dtype's name takes
+# microseconds to find: each distinct Aval (frozen, so shared) is made once.
+_aval_cached = functools.lru_cache(maxsize=4096)(_aval)
 
 
 _NO_MESH = jax.sharding.AbstractMesh((), ())
@@ -97,8 +110,9 @@ def _literal_without_mesh(x):
     return jex_core.Literal(np.asarray(x.val), aval)
 
 
-def _touches_key(eqn: jex_core.JaxprEqn) -> bool:
-    return any(is_key(v.aval.dtype) for v in (*eqn.invars, *eqn.outvars))
+def _touches_key(eqns: Sequence[jex_core.JaxprEqn]) -> bool:
+    """Whether one of `eqns` reads or makes a key (each distinct dtype asked once)."""
+    return any(map(is_key, {v.aval.dtype for e in eqns for v in (*e.invars, *e.outvars)}))
 
 
 def replayable(jaxpr: jex_core.Jaxpr) -> jex_core.Jaxpr:
@@ -120,7 +134,7 @@ def replayable(jaxpr: jex_core.Jaxpr) -> jex_core.Jaxpr:
     Returns:
       `jaxpr` itself when no top-level eqn touches a key, else the re-made copy.
     """
-    if not any(_touches_key(e) for e in jaxpr.eqns):
+    if not _touches_key(jaxpr.eqns):
         return jaxpr
     # A call's results take their avals from its jaxpr, traced under the whole mesh (a
     # value made by `jnp.where`'s jit would carry that mesh into a PRNG primitive):

@@ -362,9 +362,10 @@ class _ValueNames(dict):
     def __init__(self, n: int):
         super().__init__()
         self.n = n
+        self.suffixes = [f"@{m}" for m in range(n)]  # once: joining beats formatting m
 
     def __missing__(self, name: str) -> list[Value]:
-        names = self[name] = [f"{name}@{m}" for m in range(self.n)]
+        names = self[name] = [name + at for at in self.suffixes]
         return names
 
 

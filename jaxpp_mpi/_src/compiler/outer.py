@@ -172,10 +172,14 @@ def outer_segments(
         for v in e.invars:
             if _is_var(v):
                 readers.setdefault(v, []).append(j)
+    free: dict[int, list[int]] = {}  # group -> the free eqns it computes, in step order
+    for k in range(len(eqns)):
+        if k != loop_index and k not in homes.homed:
+            for g in homes.eqn_groups.get(k, ()):
+                free.setdefault(g, []).append(k)
     pre: list[Segment | None] = []
     for g in range(num_groups):
-        mine = [k for k in range(len(eqns))
-                if k != loop_index and k not in homes.homed and g in homes.eqn_groups.get(k, ())]
+        mine = free.get(g, [])
         sunk = _sunk(eqns, mine, g, homes, readers, loop_index) if (g, 0) in by_level else set()
         if sunk:
             by_level[(g, 0)] = sorted(by_level[(g, 0)] + sorted(sunk))

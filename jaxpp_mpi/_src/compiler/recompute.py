@@ -92,8 +92,10 @@ def recompute_residuals(eqns, where) -> list[set[TaskKey]]:
             p = producer.get(v) if _is_var(v) else None
             if p is not None and where[p] is not None and where[p][0] == FWD:
                 reads.setdefault(key, set()).add(v)
+    sizes: dict = {}  # var -> `_nbytes`, shared by the tasks
+    cheap: dict = {}  # eqn index -> `_cheap`, shared by the tasks
     for key, needed in reads.items():
-        _Residuals(eqns, where, producer, copies, key, needed).shrink()
+        _Residuals(eqns, where, producer, copies, key, needed, sizes, cheap).shrink()
     return copies
 
 
@@ -105,19 +107,31 @@ class _Residuals:
       computed: the values the task computes itself (outputs of eqns copied into it).
     """
 
-    def __init__(self, eqns, where, producer, copies, key: TaskKey, needed: set):
+    def __init__(self, eqns, where, producer, copies, key: TaskKey, needed: set,
+                 sizes: dict, cheap: dict):
         self.eqns, self.where, self.producer, self.copies = eqns, where, producer, copies
         self.key, self.stage = key, key[1]
         self.needed, self.computed = needed, set()
         self._memo: dict = {}
+        self._sizes, self._cheap = sizes, cheap  # memos of `_nbytes`, `_cheap`
+        self._fwd = (FWD, key[1])
+
+    def _nbytes(self, v) -> int:
+        """`_nbytes(v)`, found once per var."""
+        n = self._sizes.get(v)
+        if n is None:
+            n = self._sizes[v] = _nbytes(v)
+        return n
 
     def _copyable(self, v, depth: int) -> int | None:
         """The producing eqn of `v` if the task may run it again, else None."""
         p = self.producer.get(v)
-        if (p is None or depth <= 0 or self.where[p] != (FWD, self.stage)
-                or not _cheap(self.eqns[p])):
+        if p is None or depth <= 0 or self.where[p] != self._fwd:
             return None
-        return p
+        cheap = self._cheap.get(p)
+        if cheap is None:
+            cheap = self._cheap[p] = _cheap(self.eqns[p])
+        return p if cheap else None
 
     def cost(self, v, depth: int) -> int:
         """Bytes the task must still read from the forward task to have `v`, at best."""
@@ -128,7 +142,7 @@ class _Residuals:
             return 0
         if (v, depth) not in self._memo:
             q = self._copyable(v, depth)
-            best = _nbytes(v)
+            best = self._nbytes(v)
             if q is not None:
                 best = min(best, self._inputs_cost(q, depth))
             self._memo[v, depth] = best
@@ -140,7 +154,8 @@ class _Residuals:
     def _gain(self, p: int, v) -> int:
         """Bytes the task no longer reads once it runs eqn `p` for `v`: `v` and its other
         results that are residuals already (a call may make several)."""
-        return sum(_nbytes(o) for o in self.eqns[p].outvars if o is v or o in self.needed)
+        return sum(self._nbytes(o) for o in self.eqns[p].outvars
+                   if o is v or o in self.needed)
 
     def _copy(self, p: int, depth: int) -> None:
         self.copies[p].add(self.key)
@@ -169,7 +184,7 @@ class _Residuals:
         makes them (a Var's printed form holds its address, which differs between
         processes: ranks would shrink differently)."""
         p = self.producer[v]
-        return -_nbytes(v), p, self.eqns[p].outvars.index(v)
+        return -self._nbytes(v), p, self.eqns[p].outvars.index(v)
 
     def shrink(self) -> None:
         """Recomputes residuals, largest first, while that reads fewer bytes."""

@@ -83,6 +83,10 @@ def retarget_jaxpr(jaxpr: jex_core.Jaxpr, mesh: Mesh | AbstractMesh,
     return _Retarget(mesh, mpmd_axis).jaxpr(jaxpr)
 
 
+# Param types `_Retarget.param` leaves as they are without a look (no sharding inside).
+_PLAIN = frozenset({bool, int, float, complex, str, type(None)})
+
+
 class _Retarget:
     """One rewrite: the target mesh and a memo of the sub-jaxprs already rewritten."""
 
@@ -107,10 +111,14 @@ class _Retarget:
     def eqn(self, eqn: jex_core.JaxprEqn) -> jex_core.JaxprEqn:
         if eqn.primitive.name == _CONSTRAINT:
             return self.constraint(eqn)
-        params = {k: self.param(v) for k, v in eqn.params.items()}
-        if all(params[k] is v for k, v in eqn.params.items()):
-            return eqn
-        return eqn.replace(params=params)
+        params = None  # a copy of eqn.params once one of them changes
+        for k, v in eqn.params.items():
+            new = self.param(v)
+            if new is not v:
+                if params is None:
+                    params = dict(eqn.params)
+                params[k] = new
+        return eqn if params is None else eqn.replace(params=params)
 
     def constraint(self, eqn: jex_core.JaxprEqn) -> jex_core.JaxprEqn:
         sharding = eqn.params["sharding"]
@@ -127,6 +135,20 @@ class _Retarget:
         return eqn.replace(params={**eqn.params, "sharding": new, "context_mesh": self.group})
 
     def param(self, value: Any) -> Any:
+        kind = type(value)
+        if kind in _PLAIN:  # most params (axes, sizes, flags): nothing to rewrite
+            return value
+        if kind is tuple or kind is list:  # not NamedTuples: no sharding there
+            new = None  # a copy of `value` once one of its items changes
+            for j, v in enumerate(value):
+                if type(v) in _PLAIN:
+                    continue
+                w = self.param(v)
+                if w is not v:
+                    if new is None:
+                        new = list(value)
+                    new[j] = w
+            return value if new is None else kind(new)
         if isinstance(value, jex_core.ClosedJaxpr):
             done = self.memo.get(value)
             if done is None:
@@ -139,11 +161,6 @@ class _Retarget:
             return self.jaxpr(value)
         if isinstance(value, NamedSharding):
             return self.sharding(value)
-        if type(value) in (tuple, list) and value:  # not NamedTuples: no sharding there
-            new = [self.param(v) for v in value]
-            if all(a is b for a, b in zip(new, value)):
-                return value
-            return type(value)(new)
         return value
 
     def sharding(self, sharding: NamedSharding) -> NamedSharding:

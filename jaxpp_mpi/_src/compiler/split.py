@@ -103,6 +103,12 @@ def _is_var(x) -> bool:
     return isinstance(x, jex_core.Var) and not isinstance(x, jex_core.Literal)
 
 
+def _var_ins(eqns) -> list[list]:
+    """Per eqn, its operands that are variables (not literals), in order: what every
+    walk below reads (found once; an eqn's outvars are all variables)."""
+    return [[v for v in e.invars if _is_var(v)] for e in eqns]
+
+
 def _number_marks(eqns, num_stages: int) -> dict[int, tuple[str, int]]:
     """eqn index -> (direction, stage) for every stage mark; checks the counts."""
     fwd = [k for k, e in enumerate(eqns) if is_stage_end(e, "fwd")]
@@ -122,14 +128,14 @@ def _number_marks(eqns, num_stages: int) -> dict[int, tuple[str, int]]:
     return marks
 
 
-def _check_marks_reach_outputs(eqns, marks, outvars) -> None:
-    """Every forward mark's result must flow to a body output (the loss)."""
+def _check_marks_reach_outputs(eqns, ins, marks, outvars) -> None:
+    """Every forward mark's result must flow to a body output (the loss); `ins`: per
+    eqn, its variable operands (`_var_ins`)."""
     live = {v for v in outvars if _is_var(v)}
     dead_marks = []
     for k in range(len(eqns) - 1, -1, -1):
-        eqn = eqns[k]
-        if any(v in live for v in eqn.outvars):
-            live.update(v for v in eqn.invars if _is_var(v))
+        if not live.isdisjoint(eqns[k].outvars):
+            live.update(ins[k])
         elif k in marks and marks[k][0] == "fwd":
             dead_marks.append(marks[k][1])
     if dead_marks:
@@ -145,8 +151,9 @@ def _check_marks_reach_outputs(eqns, marks, outvars) -> None:
         )
 
 
-def _assign(eqns, marks, num_stages: int, invars) -> list[TaskKey | None]:
-    """Forward walk of Note: stage assignment; None marks a free eqn."""
+def _assign(eqns, ins, marks, num_stages: int) -> list[TaskKey | None]:
+    """Forward walk of Note: stage assignment; None marks a free eqn. `ins`: per eqn,
+    its variable operands (`_var_ins`)."""
     last = num_stages - 1
     # Reverse seeding: what a fwd mark k consumes is stage k's, so an eqn upstream of
     # mark k that depends on no earlier mark (e.g. all of stage 0) is FWD(k), not free.
@@ -160,16 +167,14 @@ def _assign(eqns, marks, num_stages: int, invars) -> list[TaskKey | None]:
             if not seeds:
                 continue
             seed = min(seeds)
-        for v in eqn.invars:
-            if _is_var(v):
-                upstream[v] = min(seed, upstream.get(v, seed))
+        for v in ins[k]:
+            upstream[v] = min(seed, upstream.get(v, seed))
     fstage: dict = {}
     bstage: dict = {}
     where: list[TaskKey | None] = []
     for k, eqn in enumerate(eqns):
-        ins = [v for v in eqn.invars if _is_var(v)]
-        fs = [fstage[v] for v in ins if v in fstage]
-        bs = [bstage[v] for v in ins if v in bstage]
+        fs = [fstage[v] for v in ins[k] if v in fstage]
+        bs = [bstage[v] for v in ins[k] if v in bstage]
         if k in marks:
             direction, s = marks[k]
             key = (FWD, min(s + 1, last)) if direction == "fwd" else (BWD, s)
@@ -177,30 +182,38 @@ def _assign(eqns, marks, num_stages: int, invars) -> list[TaskKey | None]:
             key = (BWD, min(bs))
         elif fs:
             key = (FWD, min(max(fs), last))
-        elif any(v in upstream for v in eqn.outvars):
+        elif not upstream.keys().isdisjoint(eqn.outvars):
             key = (FWD, min(upstream[v] for v in eqn.outvars if v in upstream))
         else:
             key = None
         where.append(key)
-        for v in eqn.outvars:
-            if key is None:
-                continue
-            if key[0] == BWD:
+        if key is None:
+            continue
+        if key[0] == BWD:
+            # a backward value also counts as forward for max(): it is late.
+            late = max(fs, default=key[1])
+            for v in eqn.outvars:
                 bstage[v] = key[1]
-                # a backward value also counts as forward for max(): it is late.
-                fstage[v] = max(fs, default=key[1])
-            else:
+                fstage[v] = late
+        else:
+            for v in eqn.outvars:
                 fstage[v] = key[1]
     return where
 
 
-def _sink(eqns, where, outvars) -> None:
-    """Reverse walk: forward eqns whose consumers are all BWD(s) move into BWD(s)."""
+def _consumers(ins) -> dict:
+    """Variable -> the eqns reading it, in order (`ins`: per eqn, its variable
+    operands)."""
     consumers: dict = {}
-    for k, eqn in enumerate(eqns):
-        for v in eqn.invars:
-            if _is_var(v):
-                consumers.setdefault(v, []).append(k)
+    for k, vs in enumerate(ins):
+        for v in vs:
+            consumers.setdefault(v, []).append(k)
+    return consumers
+
+
+def _sink(eqns, where, outvars, consumers: dict) -> None:
+    """Reverse walk: forward eqns whose consumers are all BWD(s) move into BWD(s);
+    `consumers`: from `_consumers`."""
     is_out = {v for v in outvars if _is_var(v)}
     for k in range(len(eqns) - 1, -1, -1):
         key = where[k]
@@ -213,13 +226,14 @@ def _sink(eqns, where, outvars) -> None:
             where[k] = (BWD, key[1])
 
 
-def _split_partial_bwd(eqns, where) -> None:
-    """BWD(s) -> BWD_I(s) (what other tasks need) + BWD_W(s) (the rest)."""
+def _split_partial_bwd(eqns, ins, where) -> None:
+    """BWD(s) -> BWD_I(s) (what other tasks need) + BWD_W(s) (the rest); `ins`: per
+    eqn, its variable operands."""
     producer = {v: k for k, e in enumerate(eqns) for v in e.outvars}
     needed: set = set()  # values of backward eqns that another task consumes
-    for k, eqn in enumerate(eqns):
-        for v in eqn.invars:
-            p = producer.get(v) if _is_var(v) else None
+    for k in range(len(eqns)):
+        for v in ins[k]:
+            p = producer.get(v)
             if p is not None and where[p] is not None and where[p][0] == BWD:
                 if where[k] != where[p]:
                     needed.add(v)
@@ -229,7 +243,7 @@ def _split_partial_bwd(eqns, where) -> None:
             continue
         if any(v in needed for v in eqns[k].outvars):
             where[k] = (BWD_I, key[1])
-            needed.update(v for v in eqns[k].invars if _is_var(v))
+            needed.update(ins[k])
         else:
             where[k] = (BWD_W, key[1])
 
@@ -258,14 +272,16 @@ def split_body(
     if body.consts:
         raise SplitError("internal: treduce bodies are closed over no constants")
     eqns = list(jaxpr.eqns)
+    ins = _var_ins(eqns)
     marks = _number_marks(eqns, num_stages)
-    _check_marks_reach_outputs(eqns, marks, jaxpr.outvars)
-    where = _assign(eqns, marks, num_stages, jaxpr.invars)
-    _sink(eqns, where, jaxpr.outvars)
+    _check_marks_reach_outputs(eqns, ins, marks, jaxpr.outvars)
+    where = _assign(eqns, ins, marks, num_stages)
+    consumers = _consumers(ins)
+    _sink(eqns, where, jaxpr.outvars, consumers)
     if partial_bwd:
-        _split_partial_bwd(eqns, where)
+        _split_partial_bwd(eqns, ins, where)
     copies = recompute_residuals(eqns, where) if recompute else None
-    return _build_tasks(jaxpr, eqns, where, num_stages, copies)
+    return _build_tasks(jaxpr, eqns, ins, consumers, where, num_stages, copies)
 
 
 def _task_order(num_stages: int) -> list[TaskKey]:
@@ -276,10 +292,12 @@ def _task_order(num_stages: int) -> list[TaskKey]:
     return order
 
 
-def _build_tasks(jaxpr, eqns, where, num_stages: int,
+def _build_tasks(jaxpr, eqns, ins, consumers: dict, where, num_stages: int,
                  copies: Sequence[set[TaskKey]] | None = None) -> SplitBody:
     """Names the body's values and cuts its eqns into tasks by `where` (None: free);
-    eqn k also runs in each task of `copies[k]` (Note: recomputed residuals)."""
+    eqn k also runs in each task of `copies[k]` (Note: recomputed residuals). `ins`:
+    per eqn, its variable operands (`_var_ins`); `consumers`: from `_consumers`."""
+    # An eqn's outvars are all variables (drop variables included), each made once.
     names: dict = {}
     for v in jaxpr.invars[:1]:
         names[v] = ("mb",)
@@ -288,7 +306,7 @@ def _build_tasks(jaxpr, eqns, where, num_stages: int,
     counter = 0
     for eqn in eqns:
         for v in eqn.outvars:
-            if _is_var(v) and v not in names:
+            if v not in names:
                 names[v] = ("val", f"v{counter}")
                 counter += 1
 
@@ -296,11 +314,6 @@ def _build_tasks(jaxpr, eqns, where, num_stages: int,
     # recomputed copies included (`Note: recomputed residuals`: a copy may read a free
     # value, e.g. the labels' slice under a loss term the backward task runs again).
     free_in: list[set[TaskKey]] = [set() for _ in eqns]
-    consumers: dict = {}
-    for k, eqn in enumerate(eqns):
-        for v in eqn.invars:
-            if _is_var(v):
-                consumers.setdefault(v, []).append(k)
     body_out = {v for v in jaxpr.outvars if _is_var(v)}
     last_fwd = (FWD, num_stages - 1)
     for k in range(len(eqns) - 1, -1, -1):
@@ -315,62 +328,70 @@ def _build_tasks(jaxpr, eqns, where, num_stages: int,
                 free_in[k].add(last_fwd)
 
     order = _task_order(num_stages)
-    task_eqns: dict[TaskKey, list] = {key: [] for key in order}
-    for k, eqn in enumerate(eqns):
-        keys = [where[k]] if where[k] is not None else sorted(free_in[k], key=order.index)
-        if copies is not None:
-            keys += sorted(copies[k] - set(keys), key=order.index)
+    position = {key: j for j, key in enumerate(order)}.__getitem__  # order.index
+    task_ks: dict[TaskKey, list[int]] = {key: [] for key in order}  # its eqns' indexes
+    for k in range(len(eqns)):
+        keys = [where[k]] if where[k] is not None else sorted(free_in[k], key=position)
+        if copies is not None and copies[k]:
+            keys += sorted(copies[k] - set(keys), key=position)
         for key in keys:
-            task_eqns[key].append(eqn)
+            task_ks[key].append(k)
 
     # Where each value is produced; a free value that is a body output is exported
     # by the last forward task (it is computed there too, see above).
-    free_outs = {v for k, e in enumerate(eqns) if where[k] is None for v in e.outvars}
     value_task: dict[str, TaskKey] = {}
+    made_in: dict = {}  # the variable of each value a task (not a free eqn) makes -> it
     for k, eqn in enumerate(eqns):
         for v in eqn.outvars:
-            if _is_var(v) and names[v][0] == "val":
-                if v not in free_outs:
-                    value_task[names[v][1]] = where[k]
+            if names[v][0] == "val":
+                if where[k] is not None:
+                    value_task[names[v][1]] = made_in[v] = where[k]
                 elif v in body_out:
                     value_task[names[v][1]] = last_fwd
 
     # Which values each task must export: used by another task, or a body output.
     used_elsewhere: dict[TaskKey, set] = {key: set() for key in order}
+    defined: dict[TaskKey, set] = {}  # per task, the variables its eqns make
     for key in order:
-        defined = {v for e in task_eqns[key] for v in e.outvars}
-        for eqn in task_eqns[key]:
-            for v in eqn.invars:
-                if _is_var(v) and v not in defined and names[v][0] == "val" \
-                        and v not in free_outs:
-                    used_elsewhere[value_task[names[v][1]]].add(v)
+        made = defined[key] = {v for k in task_ks[key] for v in eqns[k].outvars}
+        for k in task_ks[key]:
+            for v in ins[k]:
+                if v not in made:
+                    t = made_in.get(v)
+                    if t is not None:
+                        used_elsewhere[t].add(v)
     for v in jaxpr.outvars:
         if _is_var(v) and names[v][0] == "val":
             used_elsewhere[value_task[names[v][1]]].add(v)
 
     tasks = []
     for key in order:
-        body_eqns = task_eqns[key]
-        if not body_eqns:
+        ks = task_ks[key]
+        if not ks:
             continue
-        defined = {v for e in body_eqns for v in e.outvars}
-        ins, seen = [], set()
-        for eqn in body_eqns:
-            for v in eqn.invars:
-                if _is_var(v) and v not in defined and v not in seen:
+        made = defined[key]
+        task_ins, seen = [], set()
+        for k in ks:
+            for v in ins[k]:
+                if v not in made and v not in seen:
                     seen.add(v)
-                    ins.append(v)
-        outs = [v for e in body_eqns for v in e.outvars if v in used_elsewhere[key]]
-        closed = _closed(ins, outs, body_eqns, f"task {key[0].value}{key[1]}")
-        tasks.append(TaskJaxpr(key, closed, tuple(names[v] for v in ins),
+                    task_ins.append(v)
+        exported = used_elsewhere[key]
+        body_eqns = [eqns[k] for k in ks]
+        outs = [v for e in body_eqns for v in e.outvars if v in exported]
+        closed = _closed(task_ins, outs, body_eqns, f"task {key[0].value}{key[1]}")
+        tasks.append(TaskJaxpr(key, closed, tuple(names[v] for v in task_ins),
                                tuple(names[v][1] for v in outs)))
     body_outputs = tuple(
         names[v] if _is_var(v) else ("lit", v.val) for v in jaxpr.outvars
     )
-    avals = {names[v][1]: v.aval for e in eqns for v in e.outvars
-             if _is_var(v) and names[v][0] == "val"}
-    made_by = {names[v][1]: e for e in eqns for v in e.outvars
-               if _is_var(v) and names[v][0] == "val"}
+    avals, made_by = {}, {}
+    for e in eqns:
+        for v in e.outvars:
+            name = names[v]
+            if name[0] == "val":
+                avals[name[1]] = v.aval
+                made_by[name[1]] = e
     return SplitBody(num_stages, tuple(tasks), body_outputs, value_task, avals, made_by)
 
 

@@ -166,7 +166,7 @@ class TaskGraph:
             if (g, k) in bindings:
                 raise ValueError(f"input index {k} is bound twice on group {g}")
             bindings.add((g, k))
-        prod = self.producers()
+        prod = self._producers  # read only here: no copy
         if not prod.keys() <= self.avals.keys():  # name the first value without one
             v = next(v for v in prod if v not in self.avals)
             raise ValueError(f"value {v!r} has no aval")
