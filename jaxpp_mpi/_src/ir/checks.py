@@ -49,14 +49,23 @@ def _check_peers(program: Program) -> None:
     for g in program.groups:
         a = g.mpmd_idx
         for i, instr in enumerate(g.instrs):
-            kind = type(instr)  # the halves are those of `send_half` and `recv_half`
+            # the halves are those of `send_half` and `recv_half`; `_check_half` is
+            # called (to raise) only on a half that breaks its rule
+            kind = type(instr)
             if kind is Send:
-                _check_half(n, a, i, instr, "to", instr.dst, instr.tag)
+                peer, tag = instr.dst, instr.tag
+                if peer == a or not 0 <= peer < n or tag < 0:
+                    _check_half(n, a, i, instr, "to", peer, tag)
             elif kind is Recv:
-                _check_half(n, a, i, instr, "from", instr.src, instr.tag)
+                peer, tag = instr.src, instr.tag
+                if peer == a or not 0 <= peer < n or tag < 0:
+                    _check_half(n, a, i, instr, "from", peer, tag)
             elif kind is SendRecv:
-                _check_half(n, a, i, instr, "to", instr.dst, instr.send_tag)
-                _check_half(n, a, i, instr, "from", instr.src, instr.recv_tag)
+                dst, src = instr.dst, instr.src
+                if (dst == a or src == a or not (0 <= dst < n and 0 <= src < n)
+                        or instr.send_tag < 0 or instr.recv_tag < 0):
+                    _check_half(n, a, i, instr, "to", dst, instr.send_tag)
+                    _check_half(n, a, i, instr, "from", src, instr.recv_tag)
 
 
 def _check_buffers(g: GroupProgram, check_leaks: bool) -> None:

@@ -21,6 +21,7 @@ from jaxpp_mpi._src.ir.program import (
     Send,
     SendRecv,
 )
+from jaxpp_mpi._src.ir.trusted import new_free, new_recv, new_send, new_sendrecv
 
 Loc = tuple[int, int]  # (mpmd_idx, instruction index)
 
@@ -167,24 +168,26 @@ def assign_tags(program: Program) -> Program:
         a, instrs = g.mpmd_idx, []
         sent: dict[int, int] = defaultdict(int)  # dst -> sends to it so far
         got: dict[int, int] = defaultdict(int)  # src -> receives from it so far
+        # The fields kept are those of an instruction of exact class, and the tags are
+        # counts: the new instruction is made unchecked (`Note: trusted instructions`).
         for instr in g.instrs:
             kind = type(instr)
             if kind is Send:
                 dst = instr.dst
-                instr = Send(instr.buf, dst, sent[dst])
+                instr = new_send(instr.buf, dst, sent[dst])
                 sent[dst] += 1
             elif kind is Recv:
                 src = instr.src
-                instr = Recv(instr.buf, src, got[src], instr.aval)
+                instr = new_recv(instr.buf, src, got[src], instr.aval)
                 got[src] += 1
             elif kind is SendRecv:
                 dst, src = instr.dst, instr.src
-                instr = SendRecv(instr.send_buf, dst, sent[dst], instr.recv_buf, src, got[src],
-                                 instr.aval)
+                instr = new_sendrecv(instr.send_buf, dst, sent[dst], instr.recv_buf, src,
+                                     got[src], instr.aval)
                 sent[dst] += 1
                 got[src] += 1
             instrs.append(instr)
-        groups.append(g.with_instrs(instrs))
+        groups.append(g.with_instrs(instrs, checked=True))
         n_sent.update(((a, dst), k) for dst, k in sent.items())
         n_recv.update(((src, a), k) for src, k in got.items())
     for src, dst in sorted(n_sent.keys() | n_recv.keys()):
@@ -221,6 +224,10 @@ def _writes(instr: Instr) -> tuple[int, ...]:
 def _add_frees(g: GroupProgram) -> GroupProgram:
     keep = {b for b, _ in g.outputs}
     last: dict[int, int] = {b: -1 for b, _ in g.inputs}  # live buffer -> its last use
+    # Whether every buffer in `last` is an int >= 0 as a Free keeps it: those of
+    # instructions of exact class are (their constructors checked them), the inputs
+    # are ints but may be negative, and a subclass may keep anything.
+    trusted = not last or min(last) >= 0
     for i, instr in enumerate(g.instrs):
         # per instruction: its reads, then the buffers it frees or donates, then its
         # writes (`_reads`, `_writes`), written out for the exact instruction types
@@ -246,6 +253,7 @@ def _add_frees(g: GroupProgram) -> GroupProgram:
                 last[instr.send_buf] = i
             last[instr.recv_buf] = i
         else:  # AllReduce, or a subclass of an instruction type
+            trusted = trusted and kind is AllReduce  # an AllReduce defines nothing
             for b in _reads(instr):
                 if b in last:
                     last[b] = i
@@ -253,20 +261,22 @@ def _add_frees(g: GroupProgram) -> GroupProgram:
                 last.pop(b, None)
             for b in _writes(instr):
                 last[b] = i
+    for b in keep:  # the outputs stay live (a few buffers; many are freed)
+        last.pop(b, None)
     frees_after: dict[int, list[int]] = defaultdict(list)
     for b, i in last.items():
-        if b not in keep:
-            frees_after[i].append(b)
+        frees_after[i].append(b)
     if not frees_after:
         return g
+    make_free = new_free if trusted else Free  # `Note: trusted instructions`
     instrs: list[Instr] = []
     start = 0  # the next instruction to copy
     for i in sorted(frees_after):
-        instrs.extend(g.instrs[start:i + 1])
-        instrs.append(Free(tuple(sorted(frees_after[i]))))
+        instrs += g.instrs[start:i + 1]
+        instrs.append(make_free(tuple(sorted(frees_after[i]))))
         start = i + 1
     instrs.extend(g.instrs[start:])
-    return g.with_instrs(instrs)
+    return g.with_instrs(instrs, checked=True)
 
 
 def add_frees(program: Program) -> Program:
@@ -351,11 +361,12 @@ def pair_exchanges(program: Program) -> Program:
             send, j = g.instrs[i], fuse[i]
             recv = g.instrs[j]
             instrs.extend(g.instrs[start:i])
-            instrs.append(
-                SendRecv(send.buf, send.dst, send.tag, recv.buf, recv.src, recv.tag, recv.aval)
-            )
+            fields = (send.buf, send.dst, send.tag, recv.buf, recv.src, recv.tag, recv.aval)
+            # from a Send and a Recv of exact class: unchecked (`Note: trusted instructions`)
+            exact = type(send) is Send and type(recv) is Recv
+            instrs.append(new_sendrecv(*fields) if exact else SendRecv(*fields))
             instrs.extend(g.instrs[i + 1 : j])
             start = j + 1
         instrs.extend(g.instrs[start:])
-        groups.append(g.with_instrs(instrs))
+        groups.append(g.with_instrs(instrs, checked=True))
     return Program(tuple(groups))

@@ -109,6 +109,18 @@ def _sorted_pairs(items: tuple, value_type: type) -> bool:
     )
 
 
+def _sorted_dict(mapping: dict, value_type: type) -> bool:
+    """`_sorted_pairs(tuple(mapping.items()), value_type)` for a dict, cheaper: its items
+    are 2-tuples, and its keys distinct, so increasing is the same as sorted (and
+    `sorted` on a sorted list of ints only compares neighbours)."""
+    keys = list(mapping)
+    return (
+        _INTS.issuperset(map(type, keys))
+        and keys == sorted(keys)
+        and {value_type}.issuperset(map(type, mapping.values()))
+    )
+
+
 def _pairs(pairs: Mapping[int, int] | Iterable[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
     items = pairs.items() if isinstance(pairs, Mapping) else pairs
     return tuple(sorted((int(b), int(k)) for b, k in items))
@@ -174,7 +186,15 @@ class GroupProgram:
         object.__setattr__(self, "inputs", _pairs(self.inputs))
         object.__setattr__(self, "outputs", _pairs(self.outputs))
         object.__setattr__(self, "instrs", _instrs(self.mpmd_idx, self.instrs))
-        items = tuple(self.avals.items() if isinstance(self.avals, Mapping) else self.avals)
+        avals = self.avals
+        if type(avals) is dict and _sorted_dict(avals, Aval):
+            object.__setattr__(self, "avals", tuple(avals.items()))  # as below
+            if type(self) is GroupProgram:
+                # `aval_map` now, as a copy of the dict given: a dict copies a dict
+                # much faster than `aval_map` builds one from the pairs
+                self.__dict__["aval_map"] = avals.copy()
+            return
+        items = tuple(avals.items() if isinstance(avals, Mapping) else avals)
         if _sorted_pairs(items, Aval):
             object.__setattr__(self, "avals", items)  # what the general path below makes
             return
@@ -191,15 +211,26 @@ class GroupProgram:
                     raise TypeError(f"aval of %{b} is not an Aval: {a!r}")
         object.__setattr__(self, "avals", tuple(zip(bufs, avals)))
 
-    def with_instrs(self, instrs: Iterable[Instr]) -> GroupProgram:
+    def with_instrs(self, instrs: Iterable[Instr], *, checked: bool = False) -> GroupProgram:
         """`dataclasses.replace(self, instrs=tuple(instrs))`, without checking again the
-        fields that stay (a pass's rewrite of a large group)."""
+        fields that stay (a pass's rewrite of a large group).
+
+        Args:
+          instrs: the new instructions.
+          checked: the caller vouches that each is an instruction (one of a group's, or
+            one just made: `Note: trusted instructions` in ir/trusted.py), so they are
+            not checked again.
+        """
         if type(self) is not GroupProgram:
             return dataclasses.replace(self, instrs=tuple(instrs))
         new = object.__new__(GroupProgram)
         for name in ("mpmd_idx", "inputs", "outputs", "avals"):
             object.__setattr__(new, name, getattr(self, name))
-        object.__setattr__(new, "instrs", _instrs(self.mpmd_idx, instrs))
+        object.__setattr__(
+            new, "instrs", tuple(instrs) if checked else _instrs(self.mpmd_idx, instrs)
+        )
+        if "aval_map" in self.__dict__:  # the same avals: the same dict (never changed)
+            new.__dict__["aval_map"] = self.__dict__["aval_map"]
         return new
 
     @cached_property
