@@ -21,7 +21,8 @@ from jaxpp_mpi._src.schedules.tasks import parse_label
 
 __all__ = ["ESTIMATES", "MODELS", "ScorePlay", "TaskModel", "dataflow_scores", "estimate",
            "group_work", "label_kinds", "label_times", "label_times_models",
-           "measured_estimate", "play_walk", "walk_makespan", "walk_scores"]
+           "measured_estimate", "model_latencies", "play_walk", "walk_makespan",
+           "walk_scores"]
 
 # Task-time models, (F, B, I, W) per kind letter (`kind_latency`). Each drives timed
 # walks (`ESTIMATES`: the first the one the walks used alone before); the lowering keeps
@@ -65,11 +66,11 @@ def estimate(graph: TaskGraph, model: TaskModel) -> dict[str, float]:
     """Per task name, its time under `model` (`label_times`).
 
     For a model of `MODELS`, the dict is the one `walk_scores` times that model with,
-    made once per set of names (`_model_latencies`): read it, do not change it.
+    made once per set of names (`model_latencies`): read it, do not change it.
     """
     names = frozenset(t.name for ts in graph.tasks for t in ts)
     if model in MODELS:
-        return _model_latencies(names)[MODELS.index(model)]
+        return model_latencies(names)[MODELS.index(model)]
     return label_times(names, model)
 
 
@@ -157,7 +158,7 @@ def group_work(graph: TaskGraph, labels: frozenset[str]) -> list[list[float]]:
     """Per model of `MODELS`, per group: its tasks' times added in its order (as
     `play_walk` adds them up as the busiest group's work, bit for bit)."""
     out = []
-    for latency in _model_latencies(labels):
+    for latency in model_latencies(labels):
         work = []
         for ts in graph.tasks:
             w = 0.0
@@ -175,34 +176,45 @@ class ScorePlay:
     the end bounds them from below.
 
     Args:
-      num_groups: the graph's groups.
+      tasks: the graph's tasks, per group in its order.
       labels: the graph's task names (`walk_scores`).
       work: `group_work(graph, labels)`.
+      tails: per model, per task name, the longest path from its start to the end of
+        the step with the model's times (`WalkIndex.tails` of `model_latencies`).
       sends: as `walk_scores`'.
     """
 
-    def __init__(self, num_groups: int, labels: frozenset[str], work: list[list[float]],
+    def __init__(self, tasks: Sequence[Sequence[TaskNode]], labels: frozenset[str],
+                 work: list[list[float]], tails: Sequence[Mapping[str, float]],
                  sends: str = "blocking"):
-        self.latencies = _model_latencies(labels)
-        self.work = work
+        n = len(tasks)
+        self.tasks, self.work, self.tails = tasks, work, tails
+        self.latencies = model_latencies(labels)
         self.posted = sends == "posted"
-        self.clocks = [[0.0] * num_groups for _ in self.latencies]
-        self.done = [[0.0] * num_groups for _ in self.latencies]  # work played so far
+        self.clocks = [[0.0] * n for _ in self.latencies]
+        self.done = [[0.0] * n for _ in self.latencies]  # work played so far
+        self.ran = [0] * n  # per group, the tasks it ran so far
         self.played = 0
 
     def advance(self, events: Sequence[Event]) -> None:
         """Plays the events not played yet (`events` extends those given before)."""
         for clock, done, latency in zip(self.clocks, self.done, self.latencies):
             _play(events, self.played, clock, done, latency, self.posted)
+        ran = self.ran
+        for e in itertools.islice(events, self.played, None):
+            if len(e) == 2:
+                ran[e[0]] += 1
         self.played = len(events)
 
     def floor(self) -> tuple[float, ...]:
-        """Per model, a lower bound of the final score: every group still runs the rest
-        of its tasks after its clock (up to rounding: lower.py leaves a margin)."""
+        """Per model, a lower bound of the final score: no group's next task starts
+        before its clock, and the longest path from there to the end still takes its
+        time (up to rounding: lower.py leaves a margin)."""
+        nexts = [ts[k].name if k < len(ts) else None for ts, k in zip(self.tasks, self.ran)]
         return tuple(
-            _ratio(max((c + (w - d) for c, w, d in zip(clock, work, done)), default=0.0),
-                   max(work, default=0.0))
-            for clock, work, done in zip(self.clocks, self.work, self.done))
+            _ratio(max((c if t is None else c + tail[t] for c, t in zip(clock, nexts)),
+                       default=0.0), max(work, default=0.0))
+            for clock, work, tail in zip(self.clocks, self.work, self.tails))
 
     def scores(self) -> tuple[float, ...]:
         """The final scores, once every event is played (`walk_scores`')."""
@@ -220,7 +232,7 @@ def walk_scores(events: Sequence[Event], num_groups: int, sends: str = "blocking
     """
     if labels is None:
         labels = frozenset(e[1] for e in events if len(e) == 2)
-    played = play_walk(events, num_groups, _model_latencies(labels), sends)
+    played = play_walk(events, num_groups, model_latencies(labels), sends)
     return tuple(_ratio(*x) for x in played)
 
 
@@ -238,9 +250,10 @@ def _ratio(makespan: float, busiest: float) -> float:
 
 
 @functools.lru_cache(maxsize=2)
-def _model_latencies(labels: frozenset[str]) -> list[dict[str, float]]:
+def model_latencies(labels: frozenset[str]) -> list[dict[str, float]]:
     """Per model of `MODELS`, per label, its time (`label_times_models`); kept for the
-    next call, as a graph's estimates and candidates all time the same tasks."""
+    next call, as a graph's estimates and candidates all time the same tasks. Read
+    them, do not change them."""
     return label_times_models(labels, MODELS)
 
 
@@ -260,7 +273,7 @@ def dataflow_scores(graph: TaskGraph, order: Sequence[TaskNode] | None = None
         order, complete = dataflow_order(graph)
         if not complete:  # cannot happen for a graph the lowering walked
             return zero
-    per_model = _model_latencies(frozenset(t.name for t in order))
+    per_model = model_latencies(frozenset(t.name for t in order))
     times = {t.name: tuple(m[t.name] for m in per_model) for t in order}
     # value -> (its group, its time under each model); a value made on the task's own
     # group is done by the group's clock already, so only the others' are waited for

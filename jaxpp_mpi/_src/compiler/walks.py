@@ -193,7 +193,7 @@ class WalkIndex:
         before it (`_tail_steps`, found once for every estimate).
         """
         for seen, tail in self._tails:
-            if seen is latency:
+            if seen is latency or seen == latency:  # equal models' times: one tail
                 return tail
         names, succs = self._tail_steps
         done: list[float] = []
