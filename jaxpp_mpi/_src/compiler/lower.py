@@ -125,7 +125,8 @@ def _lower_best(graph: TaskGraph, sends: str = "blocking") -> tuple[Program, Buf
       A timed walk's events are played under every model as it goes
       (`task_models.ScorePlay`), and every few hundred steps its scores are bounded
       from below: each group's clock so far plus the longest path from its next task
-      to the end (`WalkIndex.tails` under the model). A walk whose
+      to the end (`WalkIndex.tails` under the model, where a walk made it already;
+      else the rest of the group's own tasks). A walk whose
       bound is already worse than the round order's score under some model (it cannot
       be eligible) or whose bound's mean is no better than the best mean so far (it
       cannot win) stops there, unscored: it could not have changed the choice, so the
@@ -145,8 +146,11 @@ def _lower_best(graph: TaskGraph, sends: str = "blocking") -> tuple[Program, Buf
     if not _at_bound(base, bound):  # else: already the graph's own timeline
         best_mean = sum(base) / len(base)
         work = task_models.group_work(graph, labels)
-        tails = [index.tails(m) for m in task_models.model_latencies(labels)]
+        latencies = task_models.model_latencies(labels)
         plays: dict[TimedWalk, task_models.ScorePlay] = {}
+
+        def tails(m: int) -> Mapping[str, float] | None:
+            return index.known_tails(latencies[m])  # the walks' own: none made for this
 
         def watch(walk: TimedWalk) -> Callable[[], bool]:
             play = plays[walk] = task_models.ScorePlay(graph.tasks, labels, work, tails,

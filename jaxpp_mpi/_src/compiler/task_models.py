@@ -13,7 +13,7 @@ import functools
 import itertools
 import operator
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from jaxpp_mpi._src.compiler.task_graph import TaskGraph, TaskNode
 from jaxpp_mpi._src.compiler.walks import Event, dataflow_order
@@ -179,13 +179,15 @@ class ScorePlay:
       tasks: the graph's tasks, per group in its order.
       labels: the graph's task names (`walk_scores`).
       work: `group_work(graph, labels)`.
-      tails: per model, per task name, the longest path from its start to the end of
-        the step with the model's times (`WalkIndex.tails` of `model_latencies`).
+      tails: per model index, per task name, the longest path from its start to the
+        end of the step with the model's times (`WalkIndex.tails` of
+        `model_latencies`), or None where not known yet: then the group's own remaining
+        work bounds it.
       sends: as `walk_scores`'.
     """
 
     def __init__(self, tasks: Sequence[Sequence[TaskNode]], labels: frozenset[str],
-                 work: list[list[float]], tails: Sequence[Mapping[str, float]],
+                 work: list[list[float]], tails: Callable[[int], Mapping[str, float] | None],
                  sends: str = "blocking"):
         n = len(tasks)
         self.tasks, self.work, self.tails = tasks, work, tails
@@ -208,13 +210,19 @@ class ScorePlay:
 
     def floor(self) -> tuple[float, ...]:
         """Per model, a lower bound of the final score: no group's next task starts
-        before its clock, and the longest path from there to the end still takes its
-        time (up to rounding: lower.py leaves a margin)."""
+        before its clock, and the longest path from there to the end (else the rest of
+        the group's own tasks) still takes its time (up to rounding: lower.py leaves a
+        margin)."""
         nexts = [ts[k].name if k < len(ts) else None for ts, k in zip(self.tasks, self.ran)]
-        return tuple(
-            _ratio(max((c if t is None else c + tail[t] for c, t in zip(clock, nexts)),
-                       default=0.0), max(work, default=0.0))
-            for clock, work, tail in zip(self.clocks, self.work, self.tails))
+        out = []
+        for m, (clock, work, done) in enumerate(zip(self.clocks, self.work, self.done)):
+            tail = self.tails(m)
+            if tail is None:
+                ends = (c + (w - d) for c, w, d in zip(clock, work, done))
+            else:
+                ends = (c if t is None else c + tail[t] for c, t in zip(clock, nexts))
+            out.append(_ratio(max(ends, default=0.0), max(work, default=0.0)))
+        return tuple(out)
 
     def scores(self) -> tuple[float, ...]:
         """The final scores, once every event is played (`walk_scores`')."""

@@ -185,6 +185,14 @@ class WalkIndex:
                     readers[v] = [i]
         return names, succs
 
+    def known_tails(self, latency: Mapping[str, float]) -> dict[str, float] | None:
+        """`tails(latency)` if made already (for `latency` or times equal to it), else
+        None."""
+        for seen, tail in self._tails:
+            if seen is latency or seen == latency:
+                return tail
+        return None
+
     def tails(self, latency: Mapping[str, float]) -> dict[str, float]:
         """Per task: the longest path from its start to the end of the step, each task
         taking its time in `latency` (along group order and data).
@@ -192,9 +200,9 @@ class WalkIndex:
         Tasks are visited in `order` reversed, so every successor of a task is done
         before it (`_tail_steps`, found once for every estimate).
         """
-        for seen, tail in self._tails:
-            if seen is latency or seen == latency:  # equal models' times: one tail
-                return tail
+        known = self.known_tails(latency)  # equal models' times: one tail
+        if known is not None:
+            return known
         names, succs = self._tail_steps
         done: list[float] = []
         for name, succ in zip(names, succs):
