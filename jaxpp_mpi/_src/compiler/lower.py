@@ -149,12 +149,11 @@ def _lower_best(graph: TaskGraph, sends: str = "blocking") -> tuple[Program, Buf
         latencies = task_models.model_latencies(labels)
         plays: dict[TimedWalk, task_models.ScorePlay] = {}
 
-        def tails(m: int) -> Mapping[str, float] | None:
-            return index.known_tails(latencies[m])  # the walks' own: none made for this
-
         def watch(walk: TimedWalk) -> Callable[[], bool]:
-            play = plays[walk] = task_models.ScorePlay(graph.tasks, labels, work, tails,
-                                                       sends)
+            # the tails the walks made so far (this one's included): none made for this
+            tails = [index.known_tails(m) for m in latencies]
+            play = plays[walk] = task_models.ScorePlay(graph.tasks, labels, work,
+                                                       tails.__getitem__, sends)
 
             def hopeless() -> bool:
                 play.advance(walk.events)

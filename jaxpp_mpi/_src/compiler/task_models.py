@@ -10,7 +10,6 @@ time under each model of `MODELS` (`walk_scores`), or at measured times
 from __future__ import annotations
 
 import functools
-import itertools
 import operator
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -128,15 +127,15 @@ def play_walk(events: Sequence[Event], num_groups: int,
     for latency in latencies:  # one set of times at a time: a tight loop per event
         clock = [0.0] * num_groups
         work = [0.0] * num_groups
-        _play(events, 0, clock, work, latency, posted)
+        _play(events, clock, work, latency, posted)
         out.append((max(clock, default=0.0), max(work, default=0.0)))
     return out
 
 
-def _play(events: Sequence[Event], start: int, clock: list[float], work: list[float],
+def _play(events: Sequence[Event], clock: list[float], work: list[float],
           latency: Mapping[str, float], posted: bool) -> None:
-    """Plays `events[start:]` on the groups' clocks and work so far (`play_walk`)."""
-    for e in itertools.islice(events, start, None):
+    """Plays `events` on the groups' clocks and work so far (`play_walk`)."""
+    for e in events:
         if len(e) == 2:
             g = e[0]
             t = latency[e[1]]
@@ -200,10 +199,11 @@ class ScorePlay:
 
     def advance(self, events: Sequence[Event]) -> None:
         """Plays the events not played yet (`events` extends those given before)."""
+        new = events[self.played:]
         for clock, done, latency in zip(self.clocks, self.done, self.latencies):
-            _play(events, self.played, clock, done, latency, self.posted)
+            _play(new, clock, done, latency, self.posted)
         ran = self.ran
-        for e in itertools.islice(events, self.played, None):
+        for e in new:
             if len(e) == 2:
                 ran[e[0]] += 1
         self.played = len(events)
