@@ -5,7 +5,8 @@ Note: planning a step.
   stage marks and its batch rows. Its loop body is split at all M marks and each
   segment's F, B, I and W task compiled once, for the cost table (`Note: planner task
   costs` in costs.py), priced by XLA's FLOPs (at the time per FLOP of the costliest
-  segment's forward and backward, run once) or by measured task times. Then for every
+  segment's forward and backward, run once; under MPI the fastest rank's, so that the
+  ranks rank alike: `agreed_rate`) or by measured task times. Then for every
   candidate (candidates.py: each registry schedule, with 1 to 4 stages per group where
   the marks allow, at each microbatch count that divides the batch rows) and each
   stage split worth trying (the even split; the one whose costliest stage, and the one
@@ -41,6 +42,7 @@ import jax
 from jaxpp_mpi._src.arrays.mesh import MpmdMesh
 from jaxpp_mpi._src.base import config
 from jaxpp_mpi._src.base.errors import CompileError
+from jaxpp_mpi._src.base.types import Comm
 from jaxpp_mpi._src.driver.arguments import abstract
 from jaxpp_mpi._src.frontend.api import MpmdFunction
 from jaxpp_mpi._src.ir.memory import live_bytes
@@ -65,9 +67,10 @@ from jaxpp_mpi._src.planner.ranking import Plan, parse_bytes, rank
 from jaxpp_mpi._src.planner.restage import microbatched, restage
 from jaxpp_mpi._src.planner.runtime_cost import DEFAULT_RUNTIME_COST, RuntimeCost, run_charges
 from jaxpp_mpi._src.planner.split import splits_to_try, stage_segments
+from jaxpp_mpi._src.runtime.agree import allgather_or_raise
 from jaxpp_mpi._src.schedules.tasks import parse_label
 
-__all__ = ["Planning", "plan", "plan_schedules"]
+__all__ = ["Planning", "agreed_rate", "plan", "plan_schedules"]
 
 logger = logging.getLogger("jaxpp_mpi")
 
@@ -137,6 +140,37 @@ def _sends(device: jax.Device) -> str:
     options = config.options()
     return runtime_sends(device.platform, options.posted_sends,
                          config.stages_messages(options, device.platform))
+
+
+RATE_LABEL = "the planner's time per FLOP"
+"""The deadline label of the ranks' agreement on the planner's rate (`agreed_rate`)."""
+
+
+def agreed_rate(measure: Callable[[], float], comm: Comm | None) -> float:
+    """The planner's ms per FLOP, the same on every rank: each rank's `measure()`, the
+    fastest of them (the best of the ranks' runs, as each rank keeps its best run).
+
+    Ranks time the same segment at different speeds (measured on this VM: 10.8 to
+    13.1 ms predicted for one plan in four processes), and two plans a percent apart
+    would then be ranked differently on different ranks, which would then build
+    different programs. So under MPI this is a collective of `comm` (every rank of the
+    job), under the deadline `RATE_LABEL`; `comm=None` (local mode) measures alone.
+
+    Raises:
+      RuntimeError: on every rank, when some rank's `measure` raised (its own error,
+        where every rank's did).
+    """
+    def failure(failed: list[int], messages: Sequence[str | None]) -> Exception:
+        first = next(m for m in messages if m is not None)
+        return RuntimeError(f"plan_schedules: rank(s) {failed} could not time the step's "
+                            f"costliest segment ({first}); every rank stops planning")
+    error, rate = None, 0.0
+    try:
+        rate = measure()
+    except Exception as e:  # noqa: BLE001 - raised on every rank just below
+        error = e
+    rates = allgather_or_raise(rate, error, comm, failure, own="if_all", label=RATE_LABEL)
+    return min(rates)
 
 
 def _segment_rate(task_ms: Mapping[str, float] | None, reference: Callable[[], Any],
@@ -267,7 +301,9 @@ def plan(step: Callable, *example_args: Any, mpmd_mesh: MpmdMesh,
                                     stage_segments(tuple(marks)))
     else:
         # a task timed alone is all work: the runtime's cost per Run is in-step
-        rate = measured_ms_per_flop(tasks, device, 0.0) or probe_ms_per_flop(device)
+        rate = agreed_rate(
+            lambda: measured_ms_per_flop(tasks, device, 0.0) or probe_ms_per_flop(device),
+            None if mesh.is_local else mesh.job_comm)
         costs = from_flops(tasks.flops, tasks.temp_bytes, total // n0, rate, overhead)
 
     def function(fun: Callable) -> MpmdFunction:
@@ -326,7 +362,10 @@ def plan_schedules(step: Callable, *example_args: Any, mpmd_mesh: MpmdMesh,
     """Predicts every library schedule's step time and memory on `step`, fastest first.
 
     Nothing runs on a device but one compile per task kind and stage segment (and per
-    distinct module of the code around the loop): see `Note: planning a step`.
+    distinct module of the code around the loop): see `Note: planning a step`. Under MPI
+    it is collective when it times the step (no `task_times_ms`): every rank of the job
+    calls it, and the ranks take the fastest rank's time per FLOP (`agreed_rate`), so
+    that every rank ranks the plans alike and applies the same one.
 
     Args:
       step: the training step as for `mpmd_jit_with_loop` (one `treduce`, stage marks in

@@ -1,0 +1,38 @@
+"""The planner's time per FLOP, agreed by the ranks (`agreed_rate` in planner/plan.py):
+ranks that time the step at different speeds price every plan alike; a rank that cannot
+time it stops every rank's planning. Ranks are threads over a stand-in communicator (the
+MPI run is tests/mpi/test_planner_mpi.py)."""
+
+from __future__ import annotations
+
+import pytest
+from thread_comm import on_thread_ranks
+
+from jaxpp_mpi._src.planner.plan import agreed_rate
+
+
+def test_every_rank_takes_the_fastest_ranks_rate():
+    measured = [3e-9, 1e-9, 2e-9]
+    out = on_thread_ranks(3, lambda r, comm: agreed_rate(lambda: measured[r], comm))
+    assert [err for _, err in out] == [None] * 3
+    assert [rate for rate, _ in out] == [1e-9] * 3
+
+
+def test_alone_the_rate_is_this_process_own():
+    assert agreed_rate(lambda: 4e-9, None) == 4e-9
+    with pytest.raises(ZeroDivisionError):
+        agreed_rate(lambda: 1 / 0, None)
+
+
+def test_one_rank_failing_to_time_stops_every_rank():
+    def rank(r, comm):
+        def measure():
+            if r == 1:
+                raise ValueError("typed keys")
+            return 1e-9
+        return agreed_rate(measure, comm)
+
+    out = on_thread_ranks(2, rank)
+    for _, err in out:
+        assert isinstance(err, RuntimeError)
+        assert "rank(s) [1] could not time" in str(err) and "typed keys" in str(err)
