@@ -1,7 +1,8 @@
 """`plan_schedules` under mpirun: ranks that time the step at different speeds rank the
 plans alike (`agreed_rate` in planner/plan.py), so each applies the same plan and builds
 the same program. Each rank's timing is replaced by a rank-dependent rate (rank r: r + 1
-times rank 0's), as ranks on a loaded machine measure."""
+times rank 0's), as ranks on a loaded machine measure. Ranks given different task times
+stop, every one, naming the ranks that differ."""
 
 from __future__ import annotations
 
@@ -40,3 +41,17 @@ def test_ranks_timing_differently_rank_the_plans_alike(monkeypatch):
     assert priced_at == [RATE]  # the fastest rank's, on every rank
     table = jaxpp_mpi.format_plans(plans)
     assert WORLD.allgather(table) == [table] * SIZE
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ranks_given_different_task_times_stop_naming_them():
+    mesh = make_mpmd_mesh((SIZE, jax.local_device_count()), ("stage", "data"), "stage")
+    params, batch, loss_fn = mlp(SIZE, 4)
+    step, optimizer = make_step(loss_fn, schedule("1f1b", SIZE))
+    own = {"F0_mb0": 1.0, "B0_mb0": 2.0 + RANK}  # each rank's own, not merged
+    with pytest.raises(ValueError) as caught:
+        jaxpp_mpi.plan_schedules(step, optimizer.init(params), params, batch, mpmd_mesh=mesh,
+                                 task_times_ms=own)
+    expected = f"task_times_ms on rank(s) {list(range(1, SIZE))} differ from rank 0's"
+    assert expected in str(caught.value)
+    assert WORLD.allgather(True) == [True] * SIZE  # raised on every rank, none left waiting

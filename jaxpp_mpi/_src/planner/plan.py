@@ -32,6 +32,7 @@ Note: planning a step.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -67,10 +68,10 @@ from jaxpp_mpi._src.planner.ranking import Plan, parse_bytes, rank
 from jaxpp_mpi._src.planner.restage import microbatched, restage
 from jaxpp_mpi._src.planner.runtime_cost import DEFAULT_RUNTIME_COST, RuntimeCost, run_charges
 from jaxpp_mpi._src.planner.split import splits_to_try, stage_segments
-from jaxpp_mpi._src.runtime.agree import allgather_or_raise
+from jaxpp_mpi._src.runtime.agree import allgather, allgather_or_raise
 from jaxpp_mpi._src.schedules.tasks import parse_label
 
-__all__ = ["Planning", "agreed_rate", "plan", "plan_schedules"]
+__all__ = ["Planning", "agreed_rate", "plan", "plan_schedules", "same_inputs"]
 
 logger = logging.getLogger("jaxpp_mpi")
 
@@ -171,6 +172,32 @@ def agreed_rate(measure: Callable[[], float], comm: Comm | None) -> float:
         error = e
     rates = allgather_or_raise(rate, error, comm, failure, own="if_all", label=RATE_LABEL)
     return min(rates)
+
+
+def same_inputs(measured: Mapping[str, Any], comm: Comm | None) -> None:
+    """Raises on every rank unless every rank of `comm` was given the same `measured`
+    planning inputs (name -> value: task times, runtime and message costs); one
+    allgather of their digests, under the deadline `RATE_LABEL` (nothing alone).
+
+    Raises:
+      ValueError: some differ, naming each input and the ranks where it differs from
+        rank 0's.
+    """
+    def digest(value: Any) -> str:
+        if isinstance(value, Mapping):
+            value = sorted((str(k), float(v)) for k, v in value.items())
+        return hashlib.sha256(repr(value).encode()).hexdigest()
+
+    every = allgather({name: digest(v) for name, v in measured.items()}, comm, RATE_LABEL)
+    differ = {name: [r for r, d in enumerate(every) if d[name] != every[0][name]]
+              for name in measured}
+    named = [f"{name} on rank(s) {ranks}" for name, ranks in differ.items() if ranks]
+    if named:
+        raise ValueError(
+            f"plan_schedules: {', '.join(named)} differ from rank 0's; every rank must "
+            "plan from the same inputs, or the ranks rank the plans differently: merge "
+            "every rank's measurements (e.g. collect_task_times_ms on each, allgathered "
+            "into one dict, as in docs/performance.md) and pass the same on every rank")
 
 
 def _segment_rate(task_ms: Mapping[str, float] | None, reference: Callable[[], Any],
@@ -285,6 +312,9 @@ def plan(step: Callable, *example_args: Any, mpmd_mesh: MpmdMesh,
         raise TypeError("runtime_cost must be a RuntimeCost (ms per Run, message half and "
                         f"Free), got {type(runtime).__name__}")
     overhead = runtime.run_ms
+    comm = None if mesh.is_local else mesh.job_comm
+    same_inputs({"task_times_ms": task_times_ms or {}, "runtime_cost": runtime,
+                 "message_cost": message_cost}, comm)
     args = jax.tree.map(abstract, tuple(example_args))
     loop = traced_loop(step, args, mesh)
     n0, num_marks = loop.num_microbatches, loop.num_marks
@@ -303,7 +333,7 @@ def plan(step: Callable, *example_args: Any, mpmd_mesh: MpmdMesh,
         # a task timed alone is all work: the runtime's cost per Run is in-step
         rate = agreed_rate(
             lambda: measured_ms_per_flop(tasks, device, 0.0) or probe_ms_per_flop(device),
-            None if mesh.is_local else mesh.job_comm)
+            comm)
         costs = from_flops(tasks.flops, tasks.temp_bytes, total // n0, rate, overhead)
 
     def function(fun: Callable) -> MpmdFunction:
@@ -363,9 +393,10 @@ def plan_schedules(step: Callable, *example_args: Any, mpmd_mesh: MpmdMesh,
 
     Nothing runs on a device but one compile per task kind and stage segment (and per
     distinct module of the code around the loop): see `Note: planning a step`. Under MPI
-    it is collective when it times the step (no `task_times_ms`): every rank of the job
-    calls it, and the ranks take the fastest rank's time per FLOP (`agreed_rate`), so
-    that every rank ranks the plans alike and applies the same one.
+    it is collective: every rank of the job calls it, and the ranks take the fastest
+    rank's time per FLOP (`agreed_rate`) and check that they were given the same
+    `task_times_ms`, `runtime_cost` and `message_cost` (`same_inputs`), so that every
+    rank ranks the plans alike and applies the same one.
 
     Args:
       step: the training step as for `mpmd_jit_with_loop` (one `treduce`, stage marks in
