@@ -142,7 +142,7 @@ def _lower_best(graph: TaskGraph, sends: str = "blocking") -> tuple[Program, Buf
     best.run()
     labels = frozenset(t.name for ts in graph.tasks for t in ts)  # every walk runs them all
     base = task_models.walk_scores(best.events, n, sends, labels)
-    bound = task_models.dataflow_scores(graph, index.order)
+    bound = task_models.dataflow_scores(graph, index)
     if not _at_bound(base, bound):  # else: already the graph's own timeline
         best_mean = sum(base) / len(base)
         work = task_models.group_work(graph, labels)

@@ -87,6 +87,19 @@ class TaskGraph:
       later task of that group may use the value, it may not be a step output of that
       group, and the lowering sends it to other groups before the donating task runs.
 
+    Note: what a task waits for
+      In a valid graph (`validate`) a value made or bound on a task's own group is
+      there whenever the task is next: an earlier task of the group made it or it was
+      bound at the start, and a donated one is read by no later task. So a task waits
+      only for its inputs made or bound on other groups (`waits`), a few of them: a
+      stage's tasks read its weights every microbatch (at 1F1B 32 x 1024, 64k of 1.1M
+      task inputs come from other groups). The lowering's walks test only those, and a
+      group's `have` there holds only what it received. The dataflow timeline
+      (`task_models.dataflow_scores`) and the tails read them too: there a value of the
+      task's own group is done by its group's clock already, and a reader on the same
+      group is reached through the group's next task, whose tail is at least as long
+      (times are never negative).
+
     Attributes:
       num_groups: the number of MPMD groups.
       tasks: per group, its tasks in the order the group must run them.
@@ -109,6 +122,12 @@ class TaskGraph:
         object.__setattr__(self, "inputs", tuple((v, int(g), int(k)) for v, g, k in self.inputs))
         object.__setattr__(self, "outputs", tuple((v, int(k)) for v, k in self.outputs))
         object.__setattr__(self, "avals", MappingProxyType(dict(self.avals)))
+
+    @property
+    def producer_map(self) -> Mapping[Value, tuple[int, str]]:
+        """`producers`' map, read-only and not copied (one value's producer, a few
+        values' where a copy of them all would cost more)."""
+        return MappingProxyType(self._producers)
 
     def producers(self) -> dict[Value, tuple[int, str]]:
         """Maps each value to (group, task name) of its producer; task name '' = an input.
@@ -140,13 +159,25 @@ class TaskGraph:
         return out
 
     def validate(self) -> None:
-        """Checks the graph's invariants.
+        """Checks the graph's invariants (once: the result is `waits`).
 
         Raises:
           ValueError: naming the first problem: a bad group count or index, a task listed
             on another group, a duplicated task name or input/output binding, a value
             produced twice or never, a value without aval, a same-group use that does not
             follow its production, or a donation broken as `Note: donation` says.
+        """
+        self.waits  # noqa: B018 - checked when first made
+
+    @functools.cached_property
+    def waits(self) -> tuple[tuple[tuple[Value, ...], ...], ...]:
+        """Per group, per task: what it waits for, its inputs made or bound on other
+        groups, each once, in argument order (`Note: what a task waits for`).
+
+        Found while the graph is checked, made once (a graph never changes).
+
+        Raises:
+          ValueError: as `validate`, for an invalid graph (nothing is kept then).
         """
         n = self.num_groups
         if n < 1 or len(self.tasks) != n:
@@ -181,8 +212,8 @@ class TaskGraph:
         bound: list[set[Value]] = [set() for _ in range(n)]  # per group: its input values
         for v, g, _ in self.inputs:
             bound[g].add(v)
-        for g, ts in enumerate(self.tasks):
-            _check_group_order(g, ts, prod, outputs, bound[g])
+        return tuple(_check_group_order(g, ts, prod, outputs, bound[g])
+                     for g, ts in enumerate(self.tasks))
 
 
 def _produced_twice(v: Value, old: tuple[int, str], new: tuple[int, str]) -> NoReturn:
@@ -198,10 +229,12 @@ def _produced_twice(v: Value, old: tuple[int, str], new: tuple[int, str]) -> NoR
 def _check_group_order(
     g: int, tasks: tuple[TaskNode, ...], prod: Mapping[Value, tuple[int, str]],
     outputs: set[Value], inputs: set[Value],
-) -> None:
-    """Checks one group's list: uses after same-group production, and `Note: donation`."""
+) -> tuple[tuple[Value, ...], ...]:
+    """Checks one group's list: uses after same-group production, and `Note: donation`;
+    returns what each task waits for (`TaskGraph.waits`)."""
     done: set[Value] = set(inputs)  # the values bound on g at the start
     donated: dict[Value, str] = {}
+    waits: list[tuple[Value, ...]] = []
     for t in tasks:
         # A value in `done` is produced (`prod` has every input and every output) and
         # ready; another one must come from another group. A task that reads a value
@@ -209,16 +242,20 @@ def _check_group_order(
         ins = t.ins
         if donated and not donated.keys().isdisjoint(ins):
             _check_uses(g, t, prod, done, donated)
-        for v in ins:
-            if v not in done:
-                made = prod.get(v)
-                if made is None or made[0] == g:
-                    _check_uses(g, t, prod, done, donated)
+        away = [v for v in ins if v not in done]
+        for v in away:
+            made = prod.get(v)
+            if made is None or made[0] == g:
+                _check_uses(g, t, prod, done, donated)
+        if len(away) > 1 and len(set(away)) < len(away):
+            away = list(dict.fromkeys(away))
+        waits.append(tuple(away))
         for v in t.donate:
             if prod[v][0] == g and v in outputs:
                 raise ValueError(f"task {t.name} on group {g} donates step output {v!r}")
             donated[v] = t.name
         done.update(t.outs)
+    return tuple(waits)
 
 
 def _check_uses(g: int, t: TaskNode, prod: Mapping[Value, tuple[int, str]],

@@ -15,7 +15,7 @@ import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from jaxpp_mpi._src.compiler.task_graph import TaskGraph, TaskNode
-from jaxpp_mpi._src.compiler.walks import Event, dataflow_order
+from jaxpp_mpi._src.compiler.walks import Event, WalkIndex
 from jaxpp_mpi._src.schedules.tasks import parse_label
 
 __all__ = ["ESTIMATES", "MODELS", "ScorePlay", "TaskModel", "dataflow_scores", "estimate",
@@ -87,8 +87,12 @@ def label_times_models(names: Iterable[str], models: Sequence[TaskModel]
                        ) -> list[dict[str, float]]:
     """`label_times` under each of `models`, each label read once."""
     counts = _kind_counts(frozenset(names))
-    return [{name: sum(c * t for c, t in zip(count, model) if c)
-             for name, count in counts.items()} for model in models]
+    distinct = set(counts.values())  # a handful: labels differ in numbers, not kinds
+    out = []
+    for model in models:
+        time_of = {count: sum(c * t for c, t in zip(count, model) if c) for count in distinct}
+        out.append({name: time_of[count] for name, count in counts.items()})
+    return out
 
 
 @functools.lru_cache(maxsize=2)
@@ -98,13 +102,16 @@ def _kind_counts(names: frozenset[str]) -> dict[str, tuple[int, int, int, int]]:
     times under each model in turn."""
     parts = {label for name in names for label in name.split("+")}
     counts: dict[str, tuple[int, int, int, int]] = {}
+    pipeline, index, i_kind = _PIPELINE_PART.fullmatch, _KIND_INDEX, _KIND_INDEX["I"]
     for name in names:
         count = [0, 0, 0, 0]
         for label in name.split("+"):
-            for k in label_kinds(label):
+            m = pipeline(label)  # `label_kinds`' one match, read here
+            kinds = (index[m[1]],) if m is not None else label_kinds(label)
+            for k in kinds:
                 count[k] += 1
             if label.startswith("W") and "I" + label[1:] not in parts:
-                for k in label_kinds("I" + label[1:]):
+                for k in ((i_kind,) if m is not None else label_kinds("I" + label[1:])):
                     count[k] += 1
         counts[name] = tuple(count)
     return counts
@@ -265,42 +272,41 @@ def model_latencies(labels: frozenset[str]) -> list[dict[str, float]]:
     return label_times_models(labels, MODELS)
 
 
-def dataflow_scores(graph: TaskGraph, order: Sequence[TaskNode] | None = None
-                    ) -> tuple[float, ...]:
+def dataflow_scores(graph: TaskGraph, index: WalkIndex | None = None) -> tuple[float, ...]:
     """Per model of `MODELS`, `walk_scores`' ratio for the graph's own dataflow timeline.
 
     A task starts when its group has finished the task before it and every input it
     takes exists (messages free). No program running each group's tasks in the graph's
     order does better, so a round order at this bound under every model needs no
-    timed walk. The tasks are timed in `order` (`walks.dataflow_order`'s, given or
-    found), where each comes after everything it waits for.
+    timed walk. The tasks are timed in the dataflow's order (`index.order`, of the
+    given `WalkIndex` or a new one), where each comes after everything it waits for;
+    a task waits for its inputs from other groups only (`index.waits`): its own
+    group's are done by the group's clock (`Note: what a task waits for` in
+    task_graph.py).
     """
     k = len(MODELS)
     zero = (0.0,) * k
-    if order is None:
-        order, complete = dataflow_order(graph)
-        if not complete:  # cannot happen for a graph the lowering walked
-            return zero
+    index = index if index is not None else WalkIndex(graph)
+    if not index.complete:  # cannot happen for a graph the lowering walked
+        return zero
+    order = index.order
     per_model = model_latencies(frozenset(t.name for t in order))
     times = {t.name: tuple(m[t.name] for m in per_model) for t in order}
-    # value -> (its group, its time under each model); a value made on the task's own
-    # group is done by the group's clock already, so only the others' are waited for
-    finish = {v: (g, zero) for v, g, _ in graph.inputs}
+    # value -> its time under each model, for the values other groups wait for
+    finish = {v: zero for v, _, _ in graph.inputs}
     free = [zero] * graph.num_groups
     busy = [zero] * graph.num_groups
     add = operator.add
-    for task in order:
+    sent = index.sent
+    for task, waits in zip(order, index.order_waits):
         g, ts = task.group, times[task.name]
         clock = free[g]
-        for v in task.ins:
-            h, done = finish[v]
-            if h != g:
-                clock = tuple(map(max, clock, done))
+        for v in waits:
+            clock = tuple(map(max, clock, finish[v]))
         free[g] = clock = tuple(map(add, clock, ts))
         busy[g] = tuple(map(add, busy[g], ts))
-        made = (g, clock)
-        for v in task.outs:
-            finish[v] = made
+        for v in sent[task.name]:
+            finish[v] = clock
     return tuple(_ratio(max((c[m] for c in free), default=0.0),
                         max((w[m] for w in busy), default=0.0)) for m in range(k))
 

@@ -93,7 +93,7 @@ class TimedWalk(Walk):
         Note: the timed walk's loop
           Each step, the earliest group acts (`act`: deliver, wait, run or idle until
           the next event; ties by index). The state is per group in plain lists (its
-          next task, the values present, its clock) and per group a dict of the
+          next task, the values it received, its clock) and per group a dict of the
           messages it owes or is owed, each as (value, sender, receiver), read in
           sorted order. A value's messages are owed to all its readers on other groups
           when it is made: nothing is delivered before it is owed, so every reader is
@@ -107,7 +107,8 @@ class TimedWalk(Walk):
         tasks = [gs.tasks for gs in groups]
         ends = [len(ts) for ts in tasks]
         pos = [gs.pos for gs in groups]
-        have = [gs.have for gs in groups]  # per group, the values present
+        waits = [gs.waits for gs in groups]  # per group and task, what it waits for
+        have = [gs.have for gs in groups]  # per group, the values received
         latency, tail, eager = self.latency, self.tail, self.eager
         first_use, sent, readers = self.index.first_use, self.index.sent, self.index.readers
         events, moved = self.events, self.moved
@@ -157,7 +158,7 @@ class TimedWalk(Walk):
             p = pos[r]
             if p >= ends[r]:
                 return True
-            ins = tasks[r][p].ins
+            ins = waits[r][p]
             return m[0] in ins or not all(map(have[r].__contains__, ins))  # or r waits
 
         def worth_waiting(m: _Owed, task: TaskNode, t: float) -> bool:
@@ -189,7 +190,7 @@ class TimedWalk(Walk):
                     return 2 if deliver(here) else 1
             p = pos[g]
             b = have[g]
-            if p < ends[g] and all(map(b.__contains__, tasks[g][p].ins)):
+            if p < ends[g] and all(map(b.__contains__, waits[g][p])):
                 task = tasks[g][p]
                 donate = task.donate
                 if owes:
@@ -206,7 +207,6 @@ class TimedWalk(Walk):
                         return 2 if deliver(donated) else 1
                 if donate:
                     b.difference_update(donate)
-                b.update(task.outs)
                 events.append((g, task.name))
                 pos[g] = p + 1
                 for v in sent[task.name]:  # the outputs some other group reads

@@ -8,18 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from collections.abc import Mapping
 from typing import NamedTuple
 
 from jaxpp_mpi._src.compiler.task_graph import TaskGraph, TaskNode, Value
-from jaxpp_mpi._src.ir.program import (
-    GroupProgram,
-    Instr,
-    Program,
-    Recv,
-    Run,
-    Send,
-)
+from jaxpp_mpi._src.ir.program import GroupProgram, Instr, Program
+from jaxpp_mpi._src.ir.trusted import new_recv, new_run, new_send
 
 __all__ = ["BufferNames", "Event", "RoundWalk", "Walk", "WalkIndex", "dataflow_order"]
 
@@ -44,10 +39,12 @@ class _Group:
     once`)."""
 
     tasks: tuple[TaskNode, ...]
-    have: set[Value] = dataclasses.field(default_factory=set)  # the values present
+    waits: tuple[tuple[Value, ...], ...]  # per task, what it waits for (`TaskGraph.waits`)
+    # the values received from other groups (`Note: what a task waits for`)
+    have: set[Value] = dataclasses.field(default_factory=set)
     pos: int = 0  # index of the next task
-    # the instructions as (class, arguments), made only for the kept walk's program
-    instrs: list[tuple[type[Instr], tuple]] = dataclasses.field(default_factory=list)
+    # the instructions, made only for the kept walk's program
+    instrs: list[Instr] = dataclasses.field(default_factory=list)
     bufs: dict[Value, int] = dataclasses.field(default_factory=dict)  # value -> live buffer
     names: list[Value] = dataclasses.field(default_factory=list)  # buffer id -> value
 
@@ -72,42 +69,45 @@ class _Group:
 
     def missing(self) -> tuple[Value, ...]:
         """The inputs of the next task not present on this group, in argument order."""
-        t = self.next_task
-        return () if t is None else tuple(dict.fromkeys(v for v in t.ins if v not in self.have))
+        if self.pos >= len(self.tasks):
+            return ()
+        return tuple(v for v in self.waits[self.pos] if v not in self.have)
 
     def ready(self) -> bool:
         """Whether there is a next task and all its inputs are present on this group."""
         return self.pos < len(self.tasks) and all(map(self.have.__contains__,
-                                                      self.tasks[self.pos].ins))
+                                                      self.waits[self.pos]))
 
 
-def dataflow_order(graph: TaskGraph) -> tuple[list[TaskNode], bool]:
-    """Every task, each after the task before it on its group and after the tasks making
-    its inputs, and whether that order exists.
+def dataflow_order(graph: TaskGraph, sent: Mapping[str, tuple[Value, ...]]
+                   ) -> tuple[list[tuple[int, int]], bool]:
+    """Every task as (group, its index there), each after the task before it on its
+    group and after the tasks making its inputs, and whether that order exists.
 
-    The groups are swept in turn, each running its tasks while their inputs exist (the
-    dataflow's own order; `WalkIndex.tails` and `task_models.dataflow_scores` read it).
-    A task order with a cycle across groups has none: the tasks left when the sweep
-    stops follow in their groups' order, and the flag is False (the walks then stop,
-    naming the stuck tasks).
+    The groups are swept in turn, each running its tasks while the values they wait
+    for exist (`TaskGraph.waits`; `sent`: per task, its outputs that other groups
+    read, `WalkIndex.sent`). That is the dataflow's own order; `WalkIndex.tails`
+    and `task_models.dataflow_scores` read it. A task order with a cycle across groups
+    has none: the tasks left when the sweep stops follow in their groups' order, and
+    the flag is False (the walks then stop, naming the stuck tasks).
     """
     have = {v for v, _, _ in graph.inputs}
     pos = [0] * graph.num_groups
-    order: list[TaskNode] = []
+    order: list[tuple[int, int]] = []
     left = sum(map(len, graph.tasks))
     while left:
         before = left
         for g, ts in enumerate(graph.tasks):
-            i, end = pos[g], len(ts)
-            while i < end and all(map(have.__contains__, ts[i].ins)):
-                order.append(ts[i])
-                have.update(ts[i].outs)
+            i, end, wait = pos[g], len(ts), graph.waits[g]
+            while i < end and all(map(have.__contains__, wait[i])):
+                order.append((g, i))
+                have.update(sent[ts[i].name])
                 i += 1
             left -= i - pos[g]
             pos[g] = i
         if left == before:
             for g, ts in enumerate(graph.tasks):
-                order.extend(ts[pos[g]:])
+                order.extend((g, i) for i in range(pos[g], len(ts)))
             return order, False
     return order, True
 
@@ -121,56 +121,78 @@ class WalkIndex:
 
     Attributes:
       graph: the task graph.
-      prod: value -> the group producing it (or binding it, for a step input).
+      prod: value -> the group producing it (or binding it, for a step input), for
+        the values that move (`remote`) and the step's inputs and outputs.
+      waits: the graph's `waits` (`Note: what a task waits for` in task_graph.py).
       remote: value -> the groups other than its producer that read it.
-      first_use: per group, value -> index of the first of its tasks reading it.
+      first_use: per group, value -> index of the first of its tasks waiting for it
+        (`TaskGraph.waits`: the values of `remote` it reads).
       sent: per task name, its outputs that other groups read (in output order).
       readers: value -> the groups of `remote`, ascending (computed on first use).
     """
 
     def __init__(self, graph: TaskGraph):
         self.graph = graph
-        self.prod = {v: g for v, (g, _) in graph.producers().items()}
         self.remote: dict[Value, set[int]] = {}
         self.first_use: list[dict[Value, int]] = []
-        for g, ts in enumerate(graph.tasks):
+        self.waits = graph.waits
+        for g, waits in enumerate(self.waits):
             first: dict[Value, int] = {}
-            for i, t in enumerate(ts):
-                for v in t.ins:
-                    first.setdefault(v, i)
+            for i, w in enumerate(waits):
+                for v in w:
+                    if v not in first:
+                        first[v] = i
             for v in first:
-                if self.prod[v] != g:
-                    self.remote.setdefault(v, set()).add(g)
+                self.remote.setdefault(v, set()).add(g)
             self.first_use.append(first)
+        made = graph.producer_map
+        self.prod = {v: made[v][0] for v in itertools.chain(
+            self.remote, (v for v, _, _ in graph.inputs), (v for v, _ in graph.outputs))}
         remote = self.remote
         self.sent = {t.name: tuple(v for v in t.outs if v in remote)
                      for ts in graph.tasks for t in ts}
-        self._order: list[TaskNode] | None = None
         self._tails: list[tuple[Mapping[str, float], dict[str, float]]] = []
 
     @functools.cached_property
     def readers(self) -> dict[Value, tuple[int, ...]]:
         return {v: tuple(sorted(gs)) for v, gs in self.remote.items()}
 
-    @property
+    @functools.cached_property
+    def _dataflow(self) -> tuple[list[tuple[int, int]], bool]:
+        return dataflow_order(self.graph, self.sent)
+
+    @functools.cached_property
     def order(self) -> list[TaskNode]:
         """Every task in `dataflow_order`'s order, computed once."""
-        if self._order is None:
-            self._order, _ = dataflow_order(self.graph)
-        return self._order
+        tasks = self.graph.tasks
+        return [tasks[g][i] for g, i in self._dataflow[0]]
+
+    @functools.cached_property
+    def order_waits(self) -> list[tuple[Value, ...]]:
+        """Per task of `order`, what it waits for (`waits`)."""
+        waits = self.waits
+        return [waits[g][i] for g, i in self._dataflow[0]]
+
+    @property
+    def complete(self) -> bool:
+        """Whether `order` exists (`dataflow_order`'s flag): False for a task order
+        with a cycle across groups."""
+        return self._dataflow[1]
 
     @functools.cached_property
     def _tail_steps(self) -> tuple[list[str], list[list[int]]]:
         """For `tails`: the task names of `order` reversed, and per task the positions
-        in that list of its successors (the next task on its group, the readers of its
-        outputs) that come before it, which are all of them when `order` exists."""
+        in that list of its successors (the next task on its group, the readers on other
+        groups of its outputs: `Note: what a task waits for`) that come before it, which
+        are all of them when `order` exists."""
         names: list[str] = []
         succs: list[list[int]] = []
         readers: dict[Value, list[int]] = {}  # value -> positions of its readers so far
         after: list[int | None] = [None] * self.graph.num_groups  # the group's next task
-        for i, t in enumerate(reversed(self.order)):
+        for i, (t, waits) in enumerate(zip(reversed(self.order),
+                                           reversed(self.order_waits))):
             succ = []
-            for v in t.outs:
+            for v in self.sent[t.name]:
                 if v in readers:
                     succ += readers[v]
             if after[t.group] is not None:
@@ -178,7 +200,7 @@ class WalkIndex:
             names.append(t.name)
             succs.append(succ)
             after[t.group] = i
-            for v in t.ins:
+            for v in waits:
                 if v in readers:
                     readers[v].append(i)
                 else:
@@ -231,7 +253,7 @@ class Walk:
     Attributes:
       graph: the task graph.
       index: the facts the graph's walks share (`WalkIndex`).
-      groups: per group, its state: tasks, values present, next task (and, once made,
+      groups: per group, its state: tasks, values received, next task (and, once made,
         instructions and buffers).
       events: the walk's events in order (`Note: walk events`).
       moved: per message event, its value; per exchange (a, b, True), a's and b's.
@@ -241,14 +263,13 @@ class Walk:
         self.graph = graph
         self.index = index if index is not None else WalkIndex(graph)
         self.prod = self.index.prod
-        self.groups = [_Group(ts) for ts in graph.tasks]
+        self.groups = [_Group(ts, ws) for ts, ws in zip(graph.tasks, self.index.waits)]
         self.input_bufs: dict[Value, int] = {}
         self.events: list[Event] = []  # `Note: walk events`
         self.moved: list[Value | tuple[Value, Value]] = []
         self._emitted = False
         for v, g, _ in sorted(graph.inputs, key=lambda x: (x[1], x[2], x[0])):
             self.input_bufs[v] = self.groups[g].define(v)
-            self.groups[g].have.add(v)
 
     def _stuck_message(self) -> str:
         lines = []
@@ -271,8 +292,7 @@ class Walk:
             inputs = [(self.input_bufs[v], k) for v, h, k in self.graph.inputs if h == g]
             outputs = [(gs.bufs[v], k) for v, k in self.graph.outputs if self.prod[v] == g]
             avals = dict(enumerate(map(self.graph.avals.__getitem__, gs.names)))
-            instrs = tuple(make(*args) for make, args in gs.instrs)
-            groups.append(GroupProgram(g, inputs, instrs, outputs, avals))
+            groups.append(GroupProgram(g, inputs, tuple(gs.instrs), outputs, avals))
         return Program(tuple(groups)), tuple(dict(enumerate(gs.names)) for gs in self.groups)
 
     def _emit(self) -> None:
@@ -284,6 +304,9 @@ class Walk:
         groups, avals = self.groups, self.graph.avals
         pos = [0] * len(groups)
         moved = iter(self.moved)
+        # Trusted constructors (`Note: trusted instructions` in ir/trusted.py): the
+        # names are the task nodes' (checked when made), the buffer ids counted here,
+        # each aval the one `program`'s GroupProgram checks for the buffer received.
         for e in self.events:
             if len(e) == 2:
                 gs = groups[e[0]]
@@ -291,21 +314,21 @@ class Walk:
                 pos[e[0]] += 1
                 bufs = gs.bufs
                 ins = tuple(map(bufs.__getitem__, task.ins))
-                gone = tuple(map(bufs.pop, task.donate)) if task.donate else ()
-                gs.instrs.append((Run, (task.exe, ins, gs.define_all(task.outs), task.name,
-                                        gone)))
+                gone = tuple(sorted(map(bufs.pop, task.donate))) if task.donate else ()
+                gs.instrs.append(new_run(task.exe, ins, gs.define_all(task.outs), task.name,
+                                         gone))
             elif e[2]:
                 a, b = groups[e[0]], groups[e[1]]
                 v, w = next(moved)
                 v_send, w_send = a.bufs[v], b.bufs[w]
                 v_recv, w_recv = b.define(v), a.define(w)
-                a.instrs += [(Send, (v_send, e[1], -1)), (Recv, (w_recv, e[1], -1, avals[w]))]
-                b.instrs += [(Send, (w_send, e[0], -1)), (Recv, (v_recv, e[0], -1, avals[v]))]
+                a.instrs += [new_send(v_send, e[1], -1), new_recv(w_recv, e[1], -1, avals[w])]
+                b.instrs += [new_send(w_send, e[0], -1), new_recv(v_recv, e[0], -1, avals[v])]
             else:
                 src, dst = groups[e[0]], groups[e[1]]
                 v = next(moved)
-                src.instrs.append((Send, (src.bufs[v], e[1], -1)))
-                dst.instrs.append((Recv, (dst.define(v), e[0], -1, avals[v])))
+                src.instrs.append(new_send(src.bufs[v], e[1], -1))
+                dst.instrs.append(new_recv(dst.define(v), e[0], -1, avals[v]))
 
 
 class RoundWalk(Walk):
@@ -345,7 +368,8 @@ class RoundWalk(Walk):
 
     def __init__(self, graph: TaskGraph, index: WalkIndex | None = None):
         super().__init__(graph, index)
-        self.available: set[Value] = set(self.input_bufs)  # values produced so far
+        # values made so far that other groups read (`Note: what a task waits for`)
+        self.available: set[Value] = set(self.input_bufs)
         # value -> consumer groups other than its producer, not yet delivered to
         self.undelivered = {v: set(gs) for v, gs in self.index.remote.items()}
 
@@ -366,11 +390,11 @@ class RoundWalk(Walk):
         gs = self.groups[g]
         if not gs.ready():
             return False
-        self.available.update(self._run(g, gs))
+        self.available.update(self.index.sent[self._run(g, gs)])
         return True
 
-    def _run(self, g: int, gs: _Group) -> tuple[Value, ...]:
-        """Runs group g's next task, whose inputs are all present; returns its outputs."""
+    def _run(self, g: int, gs: _Group) -> str:
+        """Runs group g's next task, whose inputs are all present; returns its name."""
         t = gs.tasks[gs.pos]
         undelivered = self.undelivered
         if t.donate and any(map(undelivered.get, t.donate)):
@@ -385,10 +409,9 @@ class RoundWalk(Walk):
                 self._deliver(early)
         if t.donate:
             gs.have.difference_update(t.donate)
-        gs.have.update(t.outs)
         self.events.append((g, t.name))
         gs.pos += 1
-        return t.outs
+        return t.name
 
     def _needed(self) -> list[_Message]:
         """Messages whose receiver's next task waits for them and whose value exists."""

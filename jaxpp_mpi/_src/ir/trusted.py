@@ -11,14 +11,16 @@ Note: trusted instructions
   object equals, field for field and type for type, the one the constructor would
   make. Callers are the passes, rebuilding an instruction from the fields of one of
   exact class (already checked when it was made) with counted tags or sorted buffer
-  ids. They are internal: nothing a user parses or builds reaches them.
+  ids, and the walks' emission (`Note: emitted once` in compiler/walks.py), making a
+  Run from a task node (its names checked when the node was made) and buffer ids it
+  counted itself. They are internal: nothing a user parses or builds reaches them.
 """
 
 from __future__ import annotations
 
-from jaxpp_mpi._src.ir.instructions import Aval, Free, Recv, Send, SendRecv
+from jaxpp_mpi._src.ir.instructions import Aval, Free, Recv, Run, Send, SendRecv
 
-__all__ = ["new_free", "new_recv", "new_send", "new_sendrecv"]
+__all__ = ["new_free", "new_recv", "new_run", "new_send", "new_sendrecv"]
 
 _new = object.__new__
 # The slots' own setters: `object.__setattr__` (what a frozen dataclass's __init__
@@ -31,6 +33,21 @@ _sr_send_tag, _sr_recv_buf = SendRecv.send_tag.__set__, SendRecv.recv_buf.__set_
 _sr_src, _sr_recv_tag = SendRecv.src.__set__, SendRecv.recv_tag.__set__
 _sr_aval = SendRecv.aval.__set__
 _free_bufs = Free.bufs.__set__
+_run_exe, _run_ins, _run_outs = Run.exe.__set__, Run.ins.__set__, Run.outs.__set__
+_run_task, _run_donate = Run.task.__set__, Run.donate.__set__
+
+
+def new_run(exe: str, ins: tuple[int, ...], outs: tuple[int, ...], task: str,
+            donate: tuple[int, ...]) -> Run:
+    """`Run(exe, ins, outs, task, donate)`, unchecked (`Note: trusted instructions`):
+    `exe` and `task` without whitespace, `donate` ascending, each of it in `ins`."""
+    instr = _new(Run)
+    _run_exe(instr, exe)
+    _run_ins(instr, ins)
+    _run_outs(instr, outs)
+    _run_task(instr, task)
+    _run_donate(instr, donate)
+    return instr
 
 
 def new_send(buf: int, dst: int, tag: int) -> Send:

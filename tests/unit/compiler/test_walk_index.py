@@ -1,5 +1,6 @@
 """Walks sharing one `WalkIndex` equal walks on their own; the index's tails are the
-longest paths to the end of the step; a plan is built with the collector paused."""
+longest paths to the end of the step; a task waits for its inputs from other groups
+(`TaskGraph.waits`); a plan is built with the collector paused."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from test_lower import SCHEDULES, schedule_graph
 import jaxpp_mpi as jp
 from jaxpp_mpi._src.compiler import lower, step_entry, task_models, timed_walk, walks
 from jaxpp_mpi._src.compiler.build import build_step
+from jaxpp_mpi._src.compiler.task_graph import TaskGraph, TaskNode
 from jaxpp_mpi.schedules import Std1F1B
 
 
@@ -49,6 +51,42 @@ def test_walks_sharing_an_index_equal_walks_on_their_own(name):
             shared.append(lower._finish(timed_walk.TimedWalk(graph, estimate, eager, index)))
             alone.append(lower._finish(timed_walk.TimedWalk(graph, estimate, eager)))
     assert shared == alone
+
+
+def waits_by_definition(graph):
+    """Per group and task: its inputs whose producer (or binding) is another group, each
+    once, in argument order (the reference)."""
+    prod = graph.producers()
+    return tuple(tuple(tuple(dict.fromkeys(v for v in t.ins if prod[v][0] != g)) for t in ts)
+                 for g, ts in enumerate(graph.tasks))
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_a_task_waits_for_its_inputs_from_other_groups(name):
+    graph = schedule_graph(SCHEDULES[name](4), 8)
+    assert graph.waits == waits_by_definition(graph)
+    assert sum(map(len, (w for ws in graph.waits for w in ws))) < sum(
+        len(t.ins) for ts in graph.tasks for t in ts)
+
+
+def test_waits_keep_argument_order_once_each_and_bound_inputs_of_other_groups():
+    graph = TaskGraph(2, (
+        (TaskNode("a", 0, "e", ("x", "w0"), ("y",)),
+         TaskNode("c", 0, "e", ("z", "w0", "z", "w1", "y"), ("u",), donate=("y",))),
+        (TaskNode("b", 1, "e", ("y", "w1", "x"), ("z",)),),
+    ), inputs=(("x", 0, 0), ("w0", 0, 1), ("w1", 1, 2)), outputs=(("u", 0),),
+        avals={v: None for v in ("x", "w0", "w1", "y", "z", "u")})
+    assert graph.waits == (((), ("z", "w1")), (("y", "x"),))
+    assert graph.waits == waits_by_definition(graph)
+
+
+def test_an_invalid_graph_keeps_no_waits():
+    graph = TaskGraph(1, ((TaskNode("a", 0, "e", ("y",), ("z",)),
+                           TaskNode("b", 0, "e", (), ("y",))),),
+                      inputs=(), outputs=(), avals={"y": None, "z": None})
+    for _ in range(2):  # raised each time: nothing kept
+        with pytest.raises(ValueError, match="uses 'y' before task b produces it"):
+            graph.waits  # noqa: B018
 
 
 @pytest.mark.parametrize("name", ["1f1b", "interleaved", "zerobubble"])

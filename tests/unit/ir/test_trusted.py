@@ -19,7 +19,7 @@ from jaxpp_mpi._src.ir.program import (
     Send,
     SendRecv,
 )
-from jaxpp_mpi._src.ir.trusted import new_free, new_recv, new_send, new_sendrecv
+from jaxpp_mpi._src.ir.trusted import new_free, new_recv, new_run, new_send, new_sendrecv
 
 F32 = Aval((4,), "float32")
 
@@ -123,3 +123,9 @@ def test_play_through_as_play_on_odd_messages():
     with pytest.raises(ProgramError) as events:
         list(rendezvous.play(sub))
     assert str(through.value) == str(events.value)
+
+
+def test_new_run_is_the_constructors():
+    _same(new_run("fwd", (0, 2, 1), (3, 4), "F0s0", (1, 2)),
+          Run("fwd", (0, 2, 1), (3, 4), "F0s0", (2, 1)))
+    _same(new_run("post", (), (0,), "", ()), Run("post", [], [0]))
