@@ -232,20 +232,18 @@ def _check_group_order(
 ) -> tuple[tuple[Value, ...], ...]:
     """Checks one group's list: uses after same-group production, and `Note: donation`;
     returns what each task waits for (`TaskGraph.waits`)."""
-    done: set[Value] = set(inputs)  # the values bound on g at the start
+    done: set[Value] = set(inputs)  # the values bound or made on g, and not donated
     donated: dict[Value, str] = {}
     waits: list[tuple[Value, ...]] = []
     for t in tasks:
-        # A value in `done` is produced (`prod` has every input and every output) and
-        # ready; another one must come from another group. A task that reads a value
-        # otherwise, or a donated one, has its inputs checked one by one.
-        ins = t.ins
-        if donated and not donated.keys().isdisjoint(ins):
-            _check_uses(g, t, prod, done, donated)
-        away = [v for v in ins if v not in done]
+        # A value in `done` is produced (`prod` has every input and every output),
+        # ready and not donated; another one must come from another group and not be
+        # a donated copy. A task that reads a value otherwise has its inputs checked
+        # one by one.
+        away = [v for v in t.ins if v not in done]
         for v in away:
             made = prod.get(v)
-            if made is None or made[0] == g:
+            if made is None or made[0] == g or v in donated:
                 _check_uses(g, t, prod, done, donated)
         if len(away) > 1 and len(set(away)) < len(away):
             away = list(dict.fromkeys(away))
@@ -254,6 +252,7 @@ def _check_group_order(
             if prod[v][0] == g and v in outputs:
                 raise ValueError(f"task {t.name} on group {g} donates step output {v!r}")
             donated[v] = t.name
+            done.discard(v)
         done.update(t.outs)
     return tuple(waits)
 
@@ -261,7 +260,8 @@ def _check_group_order(
 def _check_uses(g: int, t: TaskNode, prod: Mapping[Value, tuple[int, str]],
                 done: set[Value], donated: Mapping[Value, str]) -> None:
     """Raises on the first input of `t` (on group `g`) that is never produced, donated,
-    or produced on `g` but not yet (`done`: the values bound or made on `g` so far)."""
+    or produced on `g` but not yet (`done`: the values bound or made on `g` so far, less
+    the donated ones)."""
     for v in t.ins:
         if v not in prod:
             raise ValueError(f"task {t.name} on group {g}: input {v!r} is never produced")

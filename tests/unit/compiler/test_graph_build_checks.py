@@ -70,6 +70,10 @@ def test_a_node_may_read_a_value_twice_and_donate_another():
     (lambda: _graph([[T("D", 0, "e", ("d",), (), ("d",)),
                       T("A", 0, "e", ("ghost", "d"), ("a",))]], inputs=[("d", 0, 0)]),
      "task A on group 0: input 'ghost' is never produced"),
+    # a received copy, donated, then read again on the same group
+    (lambda: _graph([[T("D", 0, "e", ("r",), (), ("r",)), T("A", 0, "e", ("r",), ("a",))],
+                     [T("R", 1, "e", (), ("r",))]]),
+     "task A on group 0 uses 'r', which task D donated"),
     (lambda: _graph([[T("A", 0, "e", ("b",), ("a",)), T("B", 0, "e", (), ("b",))]]),
      "task A on group 0 uses 'b' before task B produces it there"),
     (lambda: _graph([[T("A", 0, "e", ("x",), ("a",), ("x",))]], inputs=[("x", 0, 0)],
