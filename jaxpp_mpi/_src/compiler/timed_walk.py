@@ -117,6 +117,15 @@ class TimedWalk(Walk):
             """Delivers `messages` pair by pair (sorted), in the order receivers need
             them (`Note: global order`: the k-th message each way between a pair is an
             exchange); returns whether a group may have ended (nothing left owed)."""
+            if len(messages) == 1:  # most often: the loop below, for one message
+                v, s, d = messages[0]
+                have[d].add(v)
+                events.append((s, d, False))
+                moved.append(v)
+                owed_s, owed_d = pending[s], pending[d]
+                del owed_s[v, d], owed_d[v, d]
+                time[s] = time[d] = max(time[s], time[d])
+                return not (owed_s and owed_d)
             by_pair: dict[tuple[int, int], list[_Owed]] = {}
             for m in messages:
                 key = (m[1], m[2]) if m[1] < m[2] else (m[2], m[1])
