@@ -10,7 +10,6 @@ time under each model of `MODELS` (`walk_scores`), or at measured times
 from __future__ import annotations
 
 import functools
-import operator
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
@@ -284,31 +283,30 @@ def dataflow_scores(graph: TaskGraph, index: WalkIndex | None = None) -> tuple[f
     group's are done by the group's clock (`Note: what a task waits for` in
     task_graph.py).
     """
-    k = len(MODELS)
-    zero = (0.0,) * k
     index = index if index is not None else WalkIndex(graph)
     if not index.complete:  # cannot happen for a graph the lowering walked
-        return zero
-    order = index.order
-    per_model = model_latencies(frozenset(t.name for t in order))
-    times = {t.name: tuple(m[t.name] for m in per_model) for t in order}
-    # value -> its time under each model, for the values other groups wait for
-    finish = {v: zero for v, _, _ in graph.inputs}
-    free = [zero] * graph.num_groups
-    busy = [zero] * graph.num_groups
-    add = operator.add
-    sent = index.sent
-    for task, waits in zip(order, index.order_waits):
-        g, ts = task.group, times[task.name]
-        clock = free[g]
-        for v in waits:
-            clock = tuple(map(max, clock, finish[v]))
-        free[g] = clock = tuple(map(add, clock, ts))
-        busy[g] = tuple(map(add, busy[g], ts))
-        for v in sent[task.name]:
-            finish[v] = clock
-    return tuple(_ratio(max((c[m] for c in free), default=0.0),
-                        max((w[m] for w in busy), default=0.0)) for m in range(k))
+        return (0.0,) * len(MODELS)
+    order, waits, sent = index.order, index.order_waits, index.sent
+    names = [t.name for t in order]
+    groups = [t.group for t in order]
+    scores = []
+    for latency in model_latencies(frozenset(names)):  # one plain sweep per model
+        finish = dict.fromkeys((v for v, _, _ in graph.inputs), 0.0)  # waited-for values
+        free = [0.0] * graph.num_groups
+        busy = [0.0] * graph.num_groups
+        for g, name, waited in zip(groups, names, waits):
+            clock = free[g]
+            for v in waited:
+                done = finish[v]
+                if done > clock:
+                    clock = done
+            time = latency[name]
+            free[g] = clock = clock + time
+            busy[g] += time
+            for v in sent[name]:
+                finish[v] = clock
+        scores.append(_ratio(max(free, default=0.0), max(busy, default=0.0)))
+    return tuple(scores)
 
 
 def measured_estimate(graph: TaskGraph, task_ms: Mapping[str, float]) -> dict[str, float]:

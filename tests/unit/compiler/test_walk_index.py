@@ -89,6 +89,33 @@ def test_an_invalid_graph_keeps_no_waits():
             graph.waits  # noqa: B018
 
 
+def dataflow_ratio(graph, latency):
+    """The dataflow timeline's makespan over the busiest group's work: each task ends
+    its time after its group's previous task and every input made on another group (the
+    reference, by recursion over every input)."""
+    made = {v: t for ts in graph.tasks for t in ts for v in t.outs}
+    before = {b.name: a for ts in graph.tasks for a, b in zip(ts, ts[1:])}
+
+    @functools.cache
+    def end(t):
+        start = end(before[t.name]) if t.name in before else 0.0
+        for v in t.ins:
+            if v in made and made[v].group != t.group:
+                start = max(start, end(made[v]))
+        return start + latency[t.name]
+
+    makespan = max(end(ts[-1]) for ts in graph.tasks if ts)
+    return makespan / max(sum(latency[t.name] for t in ts) for ts in graph.tasks)
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_dataflow_scores_are_the_dataflow_timeline(name):
+    graph = schedule_graph(SCHEDULES[name](4), 8)
+    names = frozenset(t.name for ts in graph.tasks for t in ts)
+    assert task_models.dataflow_scores(graph) == tuple(
+        dataflow_ratio(graph, latency) for latency in task_models.model_latencies(names))
+
+
 @pytest.mark.parametrize("name", ["1f1b", "interleaved", "zerobubble"])
 def test_tails_are_the_longest_paths_to_the_end(name):
     graph = schedule_graph(SCHEDULES[name](3), 6)
