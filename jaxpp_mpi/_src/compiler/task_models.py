@@ -159,11 +159,13 @@ def _play(events: Sequence[Event], clock: list[float], work: list[float],
                 clock[a] = clock[b]
 
 
-def group_work(graph: TaskGraph, labels: frozenset[str]) -> list[list[float]]:
-    """Per model of `MODELS`, per group: its tasks' times added in its order (as
-    `play_walk` adds them up as the busiest group's work, bit for bit)."""
+def group_work(graph: TaskGraph, latencies: Sequence[Mapping[str, float]]
+               ) -> list[list[float]]:
+    """Per set of task times (`model_latencies`' or measured ones), per group: its
+    tasks' times added in its order (as `play_walk` adds them up as the busiest group's
+    work, bit for bit)."""
     out = []
-    for latency in model_latencies(labels):
+    for latency in latencies:
         work = []
         for ts in graph.tasks:
             w = 0.0
@@ -175,28 +177,29 @@ def group_work(graph: TaskGraph, labels: frozenset[str]) -> list[list[float]]:
 
 
 class ScorePlay:
-    """A walk's events played under every model of `MODELS` while the walk goes on
-    (`Note: hopeless walks` in lower.py): `scores` at the end equals `walk_scores`, bit
-    for bit (the same additions and maxima, in the same order), and `floor` before
-    the end bounds them from below.
+    """A walk's events played under sets of task times while the walk goes on (`Note:
+    hopeless walks` in lower.py): under `model_latencies(labels)`, `scores` at the end
+    equals `walk_scores`, bit for bit (the same additions and maxima, in the same
+    order), and `floor` before the end bounds them from below; under any times,
+    `makespans` at the end equals `walk_makespan`'s and `ends` bounds it.
 
     Args:
       tasks: the graph's tasks, per group in its order.
-      labels: the graph's task names (`walk_scores`).
-      work: `group_work(graph, labels)`.
-      tails: per model index, per task name, the longest path from its start to the
-        end of the step with the model's times (`WalkIndex.tails` of
-        `model_latencies`), or None where not known yet: then the group's own remaining
-        work bounds it.
+      latencies: the sets of times, per task name (every task of the graph):
+        `model_latencies` of the graph's task names, or measured ones.
+      work: `group_work(graph, latencies)`.
+      tails: per index into `latencies`, per task name, the longest path from its start
+        to the end of the step with those times (`WalkIndex.tails`), or None where not
+        known yet: then the group's own remaining work bounds it.
       sends: as `walk_scores`'.
     """
 
-    def __init__(self, tasks: Sequence[Sequence[TaskNode]], labels: frozenset[str],
-                 work: list[list[float]], tails: Callable[[int], Mapping[str, float] | None],
-                 sends: str = "blocking"):
+    def __init__(self, tasks: Sequence[Sequence[TaskNode]],
+                 latencies: Sequence[Mapping[str, float]], work: list[list[float]],
+                 tails: Callable[[int], Mapping[str, float] | None], sends: str = "blocking"):
         n = len(tasks)
         self.tasks, self.work, self.tails = tasks, work, tails
-        self.latencies = model_latencies(labels)
+        self.latencies = latencies
         self.posted = sends == "posted"
         self.clocks = [[0.0] * n for _ in self.latencies]
         self.done = [[0.0] * n for _ in self.latencies]  # work played so far
@@ -214,11 +217,11 @@ class ScorePlay:
                 ran[e[0]] += 1
         self.played = len(events)
 
-    def floor(self) -> tuple[float, ...]:
-        """Per model, a lower bound of the final score: no group's next task starts
-        before its clock, and the longest path from there to the end (else the rest of
-        the group's own tasks) still takes its time (up to rounding: lower.py leaves a
-        margin)."""
+    def ends(self) -> list[float]:
+        """Per set of times, a lower bound of the final makespan: no group's next task
+        starts before its clock, and the longest path from there to the end (else the
+        rest of the group's own tasks) still takes its time (up to rounding: lower.py
+        leaves a margin)."""
         nexts = [ts[k].name if k < len(ts) else None for ts, k in zip(self.tasks, self.ran)]
         out = []
         for m, (clock, work, done) in enumerate(zip(self.clocks, self.work, self.done)):
@@ -227,8 +230,18 @@ class ScorePlay:
                 ends = (c + (w - d) for c, w, d in zip(clock, work, done))
             else:
                 ends = (c if t is None else c + tail[t] for c, t in zip(clock, nexts))
-            out.append(_ratio(max(ends, default=0.0), max(work, default=0.0)))
-        return tuple(out)
+            out.append(max(ends, default=0.0))
+        return out
+
+    def floor(self) -> tuple[float, ...]:
+        """Per set of times, a lower bound of the final score (`ends` over the busiest
+        group's work)."""
+        return tuple(_ratio(end, max(work, default=0.0))
+                     for end, work in zip(self.ends(), self.work))
+
+    def makespans(self) -> list[float]:
+        """The final makespans, once every event is played (`walk_makespan`'s)."""
+        return [max(clock, default=0.0) for clock in self.clocks]
 
     def scores(self) -> tuple[float, ...]:
         """The final scores, once every event is played (`walk_scores`')."""

@@ -3,8 +3,8 @@
 `_lower_best` scores walks from their events, walks an estimate equal to an earlier one
 once, stops a walk that can no longer win (`Note: hopeless walks`), and stops walking
 once a timed order reaches the graph's dataflow timeline (a lower bound of every
-program's scores); this
-checks, schedule by schedule, that the program it keeps is the one scoring every
+program's scores); `_lower_measured` stops hopeless walks under measured times too. This
+checks, schedule by schedule, that the program each keeps is the one scoring every
 candidate's program would keep, and that a walk's events play as its program does.
 """
 
@@ -83,6 +83,72 @@ def test_stopping_hopeless_walks_keeps_the_choice(monkeypatch):
     assert any(stopped) and not all(stopped)
 
 
+def measured_times(graph, seed):
+    rng = random.Random(seed)
+    return {t.name: rng.uniform(0.1, 3.0) for ts in graph.tasks for t in ts}
+
+
+def exhaustive_measured(graph, task_ms, sends):
+    """`_lower_measured`'s rule without any shortcut: the round order and every timed
+    order under the measured times and each estimate, each walked to its end; the
+    fastest under the measured times wins, the earlier one on ties."""
+    measured = task_models.measured_estimate(graph, task_ms)
+    rounds = walks.RoundWalk(graph)
+    rounds.run()
+    best, best_time = rounds, task_models.walk_makespan(rounds.events, graph.num_groups,
+                                                        measured, sends)
+    for estimate in (measured, *(task_models.estimate(graph, m)
+                                 for m in task_models.ESTIMATES)):
+        for eager in (True, False):
+            walk = timed_walk.TimedWalk(graph, estimate, eager)
+            walk.run()
+            t = task_models.walk_makespan(walk.events, graph.num_groups, measured, sends)
+            if t < best_time - 1e-9:
+                best, best_time = walk, t
+    program, names = lower._paired(best)
+    return assign_tags(program), names
+
+
+def test_stopping_hopeless_walks_keeps_the_measured_choice(monkeypatch):
+    """Under measured task times, with the walks asked after every step whether they
+    are hopeless, the choice is the exhaustive one; some walks do stop."""
+    monkeypatch.setattr(timed_walk, "_ASK_EVERY", 1)
+    stopped = []
+    run = timed_walk.TimedWalk.run
+
+    def spy(self, hopeless=None):
+        run(self, hopeless)
+        stopped.append(self.stopped)
+
+    monkeypatch.setattr(timed_walk.TimedWalk, "run", spy)
+    for name in sorted(SCHEDULES):
+        for groups, num_microbatches in [(4, 8), (4, 16)]:
+            graph = schedule_graph(SCHEDULES[name](groups), num_microbatches)
+            for sends in ("blocking", "posted"):
+                task_ms = measured_times(graph, f"{name}{num_microbatches}{sends}")
+                got = lower._lower_measured(graph, task_ms, sends)
+                assert got == exhaustive_measured(graph, task_ms, sends), (name, sends)
+    assert any(stopped) and not all(stopped)
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_a_score_play_bounds_and_equals_measured_makespans(name):
+    graph = schedule_graph(SCHEDULES[name](4), 8)
+    measured = measured_times(graph, name)
+    work = task_models.group_work(graph, (measured,))
+    tails = walks.WalkIndex(graph).tails(measured)
+    estimates = [measured, *(task_models.estimate(graph, m) for m in task_models.ESTIMATES)]
+    for walk in lower._timed_walks(graph, estimates):
+        final = task_models.walk_makespan(walk.events, graph.num_groups, measured)
+        for known in ([tails], [None]):
+            play = task_models.ScorePlay(graph.tasks, (measured,), work, known.__getitem__)
+            for k in range(0, len(walk.events) + 1, 5):
+                play.advance(walk.events[:k])
+                assert play.ends()[0] <= final + 1e-9
+            play.advance(walk.events)
+            assert play.makespans() == [final]
+
+
 @pytest.mark.parametrize("name", sorted(SCHEDULES))
 @pytest.mark.parametrize("sends", ["blocking", "posted"])
 def test_a_score_play_floors_and_equals_walk_scores(name, sends):
@@ -90,9 +156,10 @@ def test_a_score_play_floors_and_equals_walk_scores(name, sends):
     events, and ends at `walk_scores`' scores, bit for bit."""
     graph = schedule_graph(SCHEDULES[name](4), 8)
     labels = frozenset(t.name for ts in graph.tasks for t in ts)
-    work = task_models.group_work(graph, labels)
+    latencies = task_models.model_latencies(labels)
+    work = task_models.group_work(graph, latencies)
     index = walks.WalkIndex(graph)
-    known = [index.tails(m) for m in task_models.model_latencies(labels)]
+    known = [index.tails(m) for m in latencies]
     n = graph.num_groups
     estimates = [task_models.estimate(graph, m) for m in task_models.ESTIMATES]
     rounds = walks.RoundWalk(graph)
@@ -101,7 +168,7 @@ def test_a_score_play_floors_and_equals_walk_scores(name, sends):
         final = task_models.walk_scores(walk.events, n, sends)
         # every model's tails known, or none (each group's remaining work instead)
         for tails in (known.__getitem__, lambda m: None):
-            play = task_models.ScorePlay(graph.tasks, labels, work, tails, sends)
+            play = task_models.ScorePlay(graph.tasks, latencies, work, tails, sends)
             for k in range(0, len(walk.events) + 1, 7):
                 play.advance(walk.events[:k])
                 assert all(f <= s + 1e-12 for f, s in zip(play.floor(), final))
