@@ -61,19 +61,26 @@ def test_choice_equals_the_exhaustive_one(name, groups, num_microbatches):
     assert program == want and names == want_names
 
 
-def test_stopping_hopeless_walks_keeps_the_choice(monkeypatch):
-    """With the walks asked after every step whether they are hopeless (`Note: hopeless
-    walks`), the choice is still the exhaustive one, schedule by schedule; some walks
-    do stop, and some run to their end."""
+@pytest.fixture
+def stopped(monkeypatch):
+    """Walks asked after every step whether they are hopeless; per walk run, whether it
+    stopped."""
     monkeypatch.setattr(timed_walk, "_ASK_EVERY", 1)
-    stopped = []
+    out = []
     run = timed_walk.TimedWalk.run
 
     def spy(self, hopeless=None):
         run(self, hopeless)
-        stopped.append(self.stopped)
+        out.append(self.stopped)
 
     monkeypatch.setattr(timed_walk.TimedWalk, "run", spy)
+    return out
+
+
+def test_stopping_hopeless_walks_keeps_the_choice(stopped):
+    """With the walks asked after every step whether they are hopeless (`Note: hopeless
+    walks`), the choice is still the exhaustive one, schedule by schedule; some walks
+    do stop, and some run to their end."""
     for name in sorted(SCHEDULES):
         for groups, num_microbatches in [(4, 8), (4, 16)]:
             graph = schedule_graph(SCHEDULES[name](groups), num_microbatches)
@@ -109,18 +116,9 @@ def exhaustive_measured(graph, task_ms, sends):
     return assign_tags(program), names
 
 
-def test_stopping_hopeless_walks_keeps_the_measured_choice(monkeypatch):
+def test_stopping_hopeless_walks_keeps_the_measured_choice(stopped):
     """Under measured task times, with the walks asked after every step whether they
     are hopeless, the choice is the exhaustive one; some walks do stop."""
-    monkeypatch.setattr(timed_walk, "_ASK_EVERY", 1)
-    stopped = []
-    run = timed_walk.TimedWalk.run
-
-    def spy(self, hopeless=None):
-        run(self, hopeless)
-        stopped.append(self.stopped)
-
-    monkeypatch.setattr(timed_walk.TimedWalk, "run", spy)
     for name in sorted(SCHEDULES):
         for groups, num_microbatches in [(4, 8), (4, 16)]:
             graph = schedule_graph(SCHEDULES[name](groups), num_microbatches)
