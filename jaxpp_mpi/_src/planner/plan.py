@@ -143,8 +143,9 @@ def _sends(device: jax.Device) -> str:
                          config.stages_messages(options, device.platform))
 
 
-RATE_LABEL = "the planner's time per FLOP"
-"""The deadline label of the ranks' agreement on the planner's rate (`agreed_rate`)."""
+RATE_LABEL = "plan_schedules agreement"
+"""The deadline label of the ranks' agreements in `plan_schedules` (`agreed_rate`,
+`same_inputs`)."""
 
 
 def agreed_rate(measure: Callable[[], float], comm: Comm | None) -> float:
@@ -389,14 +390,15 @@ def plan_schedules(step: Callable, *example_args: Any, mpmd_mesh: MpmdMesh,
                    message_cost: tuple[float, float] | None = None,
                    runtime_cost: RuntimeCost | None = None,
                    stages_per_group: Sequence[int] | None = None) -> list[Plan]:
-    """Predicts every library schedule's step time and memory on `step`, fastest first.
+    """Predicts every library schedule's step time and memory on `step`, fastest first;
+    under MPI a collective of every rank of the job.
 
     Nothing runs on a device but one compile per task kind and stage segment (and per
-    distinct module of the code around the loop): see `Note: planning a step`. Under MPI
-    it is collective: every rank of the job calls it, and the ranks take the fastest
-    rank's time per FLOP (`agreed_rate`) and check that they were given the same
-    `task_times_ms`, `runtime_cost` and `message_cost` (`same_inputs`), so that every
-    rank ranks the plans alike and applies the same one.
+    distinct module of the code around the loop): see `Note: planning a step`. Under
+    MPI every rank calls it, and the ranks take the fastest rank's time per FLOP
+    (`agreed_rate`) and check that they were given the same `task_times_ms`,
+    `runtime_cost` and `message_cost` (`same_inputs`), so that every rank ranks the
+    plans alike and applies the same one.
 
     Args:
       step: the training step as for `mpmd_jit_with_loop` (one `treduce`, stage marks in
