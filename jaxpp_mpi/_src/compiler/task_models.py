@@ -101,16 +101,13 @@ def _kind_counts(names: frozenset[str]) -> dict[str, tuple[int, int, int, int]]:
     times under each model in turn."""
     parts = {label for name in names for label in name.split("+")}
     counts: dict[str, tuple[int, int, int, int]] = {}
-    pipeline, index, i_kind = _PIPELINE_PART.fullmatch, _KIND_INDEX, _KIND_INDEX["I"]
     for name in names:
         count = [0, 0, 0, 0]
         for label in name.split("+"):
-            m = pipeline(label)  # `label_kinds`' one match, read here
-            kinds = (index[m[1]],) if m is not None else label_kinds(label)
-            for k in kinds:
+            for k in label_kinds(label):
                 count[k] += 1
             if label.startswith("W") and "I" + label[1:] not in parts:
-                for k in ((i_kind,) if m is not None else label_kinds("I" + label[1:])):
+                for k in label_kinds("I" + label[1:]):
                     count[k] += 1
         counts[name] = tuple(count)
     return counts
