@@ -184,9 +184,17 @@ def same_inputs(measured: Mapping[str, Any], comm: Comm | None) -> None:
       ValueError: some differ, naming each input and the ranks where it differs from
         rank 0's.
     """
+    def number(v: Any) -> str:
+        # a number by its value (1 and 1.0 agree), anything else by its repr: a rank
+        # alone passing a non-number is told so with the others, not left behind
+        try:
+            return repr(float(v))
+        except (TypeError, ValueError):
+            return f"not a number: {v!r}"
+
     def digest(value: Any) -> str:
         if isinstance(value, Mapping):
-            value = sorted((str(k), float(v)) for k, v in value.items())
+            value = sorted((repr(k), number(v)) for k, v in value.items())
         return hashlib.sha256(repr(value).encode()).hexdigest()
 
     every = allgather({name: digest(v) for name, v in measured.items()}, comm, RATE_LABEL)

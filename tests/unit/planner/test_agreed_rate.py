@@ -61,3 +61,18 @@ def test_the_same_measurements_pass_in_any_order():
                      "runtime_cost": RuntimeCost(), "message_cost": None}, comm)
 
     assert [err for _, err in on_thread_ranks(2, rank)] == [None, None]
+
+
+def test_a_rank_alone_passing_a_non_number_is_named_on_every_rank():
+    def rank(r, comm):
+        same_inputs({"task_times_ms": {"F0_mb0": "fast" if r == 1 else 1.0},
+                     "runtime_cost": RuntimeCost(), "message_cost": None}, comm)
+
+    out = on_thread_ranks(3, rank)
+    for _, err in out:
+        assert isinstance(err, ValueError)
+        assert "task_times_ms on rank(s) [1]" in str(err)
+    # a number agrees with itself whatever its type
+    same = on_thread_ranks(2, lambda r, comm: same_inputs(
+        {"task_times_ms": {"F0_mb0": 1 if r else 1.0}}, comm))
+    assert [err for _, err in same] == [None, None]
