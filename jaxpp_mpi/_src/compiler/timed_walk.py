@@ -5,6 +5,7 @@ walks.py, is the other).
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable, Mapping
 
 from jaxpp_mpi._src.compiler.task_graph import TaskGraph, TaskNode, Value
@@ -82,26 +83,23 @@ class TimedWalk(Walk):
         """Plays the groups in estimated time until all tasks ran and all values arrived.
 
         One loop over plain lists (`Note: the timed walk's loop`).
-
-        Args:
-          hopeless: asked every `_ASK_EVERY` steps; once it answers True, the walk stops
-            where it is and `stopped` is True (`Note: hopeless walks` in lower.py).
-
-        Raises:
-          ValueError: if no group can act (the task order has a cycle across groups).
-
-        Note: the timed walk's loop
-          Each step, the earliest group acts (`act`: deliver, wait, run or idle until
-          the next event; ties by index). The state is per group in plain lists (its
-          next task, the values it received, its clock) and per group a dict of the
-          messages it owes or is owed, each as (value, sender, receiver), read in
-          sorted order. A value's messages are owed to all its readers on other groups
-          when it is made: nothing is delivered before it is owed, so every reader is
-          still waiting then. A donated value is never owed when its task runs: a task
-          runs only once no message of its group's donated values is pending (`act`
-          waits for a busy peer, or delivers to an idle one first), so unlike the round
-          walk the run itself never sends (`Note: donation`). Like every walk, it
-          records events and moved values only (`Note: emitted once` in walks.py).
+          Args: hopeless: asked every `_ASK_EVERY` steps; once it answers True, the walk
+          stops where it is and `stopped` is True (`Note: hopeless walks` in lower.py).
+          Raises: ValueError: if no group can act (the task order has a cycle across
+          groups).  Note: the timed walk's loop Each step, the earliest group acts (`act`:
+          deliver, wait, run or idle until the next event; ties by index), found in a heap
+          of the clocks (`clock`, an entry per change, stale ones dropped when met) rather
+          than by a scan of every group, which made a step's cost grow with the group
+          count. The state is per group in plain lists (its next task, the values it
+          received, its clock) and per group a dict of the messages it owes or is owed,
+          each as (value, sender, receiver), read in sorted order. A value's messages are
+          owed to all its readers on other groups when it is made: nothing is delivered
+          before it is owed, so every reader is still waiting then. A donated value is
+          never owed when its task runs: a task runs only once no message of its group's
+          donated values is pending (`act` waits for a busy peer, or delivers to an idle
+          one first), so unlike the round walk the run itself never sends
+          (`Note: donation`). Like every walk, it records events and moved values only
+          (`Note: emitted once` in walks.py).
         """
         groups, pending, time = self.groups, self.pending, self.time
         tasks = [gs.tasks for gs in groups]
@@ -112,6 +110,42 @@ class TimedWalk(Walk):
         latency, tail, eager = self.latency, self.tail, self.eager
         first_use, sent, readers = self.index.first_use, self.index.sent, self.index.readers
         events, moved = self.events, self.moved
+        # The groups' clocks in a heap (`Note: the timed walk's loop`): an entry
+        # (time, group) per change of a clock; one is valid while its group is live
+        # and its clock still reads that time.
+        clock: list[tuple[float, int]] = []
+        push, pop = heapq.heappush, heapq.heappop
+
+        def valid(entry: tuple[float, int]) -> bool:
+            h = entry[1]
+            return time[h] == entry[0] and (pos[h] < ends[h] or bool(pending[h]))
+
+        def meet(a: int, b: int) -> None:
+            """Sets both clocks to the later one (a message or an exchange)."""
+            ta, tb = time[a], time[b]
+            if ta < tb:
+                time[a] = tb
+                push(clock, (tb, a))
+            elif tb < ta:
+                time[b] = ta
+                push(clock, (ta, b))
+
+        def next_after(t: float) -> float | None:
+            """The earliest clock of a live group later than t (None if none)."""
+            held = []
+            later = None
+            while clock:
+                entry = clock[0]
+                if not valid(entry):
+                    pop(clock)
+                elif entry[0] > t:
+                    later = entry[0]
+                    break
+                else:
+                    held.append(pop(clock))
+            for entry in held:
+                push(clock, entry)
+            return later
 
         def deliver(messages: list[_Owed]) -> bool:
             """Delivers `messages` pair by pair (sorted), in the order receivers need
@@ -124,7 +158,7 @@ class TimedWalk(Walk):
                 moved.append(v)
                 owed_s, owed_d = pending[s], pending[d]
                 del owed_s[v, d], owed_d[v, d]
-                time[s] = time[d] = max(time[s], time[d])
+                meet(s, d)
                 return not (owed_s and owed_d)
             by_pair: dict[tuple[int, int], list[_Owed]] = {}
             for m in messages:
@@ -158,7 +192,7 @@ class TimedWalk(Walk):
                     del owed_a[v, d], owed_b[v, d]
                 if not (owed_a and owed_b):
                     ended = True
-                time[a] = time[b] = max(time[a], time[b])
+                meet(a, b)
             return ended
 
         def takes_now(m: _Owed) -> bool:
@@ -208,6 +242,7 @@ class TimedWalk(Walk):
                         time[m[2]] for m in busy if worth_waiting(m, task, t)]
                     if wait:
                         time[g] = min(wait)
+                        push(clock, (time[g], g))
                         return 1
                     # A donated value owed to an idle peer that did not take it yet
                     # (`takes_now`) goes now, before its task consumes it.
@@ -222,14 +257,18 @@ class TimedWalk(Walk):
                     for dst in readers[v]:
                         pending[g][v, dst] = pending[dst][v, dst] = (v, g, dst)
                 time[g] = t + latency[task.name]
+                push(clock, (time[g], g))
                 return 2 if p + 1 == ends[g] else 1
-            later = [time[h] for h in live if time[h] > t]
-            if later:
-                time[g] = min(later)
+            later = next_after(t)
+            if later is not None:
+                time[g] = later
+                push(clock, (later, g))
                 return 1
             return 0
 
         live = list(range(len(groups)))
+        for g in live:
+            push(clock, (time[g], g))
         ended = True  # whether a group may have ended since the loop last looked
         ask = _ASK_EVERY if hopeless is not None else -1
         try:
@@ -242,9 +281,13 @@ class TimedWalk(Walk):
                         return
                 # The earliest group almost always acts; `act` changes nothing when
                 # it does not, so trying it first and then every group in order is the
-                # same walk. `live` ascends, and min and sorted keep the first of
-                # equals: ties by index.
-                done = act(min(live, key=time.__getitem__), live)
+                # same walk. The heap's first valid entry is the earliest live group,
+                # the lowest index of equals (every live group's clock has a valid
+                # entry); `live` ascends and sorted keeps the first of equals: ties by
+                # index.
+                while not valid(clock[0]):
+                    pop(clock)
+                done = act(clock[0][1], live)
                 if not done:
                     for g in sorted(live, key=time.__getitem__):
                         done = act(g, live)
