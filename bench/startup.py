@@ -7,8 +7,9 @@ Run (the driver starts every measured process itself, fresh each time):
 
 Each workload is examples/train.py's tiny transformer (hidden 64, one block per stage)
 in one process, local mode, `--groups S --microbatches M` under a schedule; the table
-of workloads (`WORKLOADS`) runs from ~200 to ~300k instructions. Per workload, in fresh
-processes taking turns (this tree, then `--baseline`'s tree when given):
+of workloads (`WORKLOADS`) runs from ~200 to ~300k instructions. `--repeats` turns,
+each of every workload in order, so that workloads compare within a turn; per workload,
+in fresh processes taking turns (this tree, then `--baseline`'s tree when given):
 
 - `plan`: `MpmdFunction.step_plan` (trace, split, schedule, lower, verify) with the
   program cache off, its lowering part (`lower`: the task graph to the verified
@@ -35,13 +36,30 @@ thread per device here).
 
 The fit is least squares of the lowering time against instructions (`a + b n`), over
 this tree's runs; `per_instruction` lists lower / n per workload, so the cost at 3k and
-at 300k instructions can be compared. The machine is shared and noisy: repeats take
-turns and the JSON keeps each; the tables give medians.
+at 300k instructions can be compared (`growth`: turn by turn, the largest program's over
+the one's nearest 3k). Beside it, `reference_us_per_item`: the same process, after
+planning, times `reference_pass` over as many items as the program has instructions: the
+machine's own cost per item of plain Python dict and set work at that size, over value
+names and over dense ids (`Note: the memory floor`). The machine is shared and noisy:
+repeats take turns and the JSON keeps each; the tables give medians.
+
+Note: the memory floor
+  Every pass of the lowering does a bounded number of steps per instruction (the Python
+  lines it executes per instruction do not grow with the program:
+  tests/unit/compiler/test_lowering_work.py), yet its time per instruction grows from 3k
+  to 300k instructions. The growth is the memory hierarchy's: a few thousand
+  instructions' values, dicts and sets fit the caches (32 MiB of L3 on the 2-core VM), a
+  few hundred thousand do not, and every lookup of a value's name (a string, hashed to a
+  random slot) then misses. `reference_pass` is that work and nothing else (a dict and a
+  set of value names, each item reading two earlier ones), timed the same way, so the
+  two ratios, 300k over 3k, can be read side by side; over dense int ids in a list
+  instead of names in a dict, the same work stays in the caches' reach much longer.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import resource
@@ -89,6 +107,25 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 # -- one measured process ------------------------------------------------------------
+
+
+def reference_pass(n: int, dense: bool = False) -> float:
+    """Microseconds per item of plain Python dict and set work over `n` value names
+    (`Note: the memory floor`): each item looks up two earlier names (the one before,
+    and one half-way back) and is added to a dict, a set and a list, once. With `dense`,
+    the names are the ints 0..n-1 and the dict a list indexed by them."""
+    names: list = list(range(n)) if dense else [f"v{i}@m{i % 64}" for i in range(n)]
+    start = time.process_time()
+    made: dict | list = [None] * n if dense else {}
+    get = made.__getitem__ if dense else made.get
+    seen: set = set()
+    out: list[tuple] = []
+    for i, name in enumerate(names):
+        a, b = get(names[i - 1]), get(names[i // 2])
+        made[name] = (i, a, b)
+        seen.add(name)
+        out.append((name, a is b))
+    return 1e6 * (time.process_time() - start) / n
 
 
 def child(spec: dict) -> dict:
@@ -148,6 +185,12 @@ def child(spec: dict) -> dict:
     out["from_cache"] = bool(getattr(plan, "program_from_cache", False))
     out["program_sha256"] = plan.program.hash()
     out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    gc_was = gc.isenabled()
+    gc.disable()  # as while planning (`Note: collector paused` in build.py)
+    out["reference_us_per_item"] = reference_pass(out["instructions"])
+    out["reference_dense_us_per_item"] = reference_pass(out["instructions"], dense=True)
+    if gc_was:
+        gc.enable()
     if run:
         start, cpu = time.perf_counter(), time.process_time()
         compiled = step.compile(opt_state, params, batch)
@@ -204,6 +247,23 @@ def fit(points: list[tuple[int, float]]) -> dict:
     return {"a_s": mt - b * mn, "b_us_per_instruction": 1e6 * b}
 
 
+def growth(rows: list[dict]) -> dict:
+    """Per turn, the largest program's cost per item over the one's nearest 3k
+    instructions: the lowering's, and `reference_pass`'s over names and dense ids
+    (`Note: the memory floor`); each turn's pair ran minutes apart at most."""
+    if len(rows) < 2:
+        return {}
+    size = lambda r: r["new"][0]["instructions"]  # noqa: E731
+    big, small = max(rows, key=size), min(rows, key=lambda r: abs(size(r) - 3000))
+    per = {"lower": lambda r: 1e6 * r["lower_s"] / r["instructions"],
+           "reference": lambda r: r["reference_us_per_item"],
+           "reference_dense": lambda r: r["reference_dense_us_per_item"]}
+    turns = {k: [f(b) / f(s) for b, s in zip(big["new"], small["new"])]
+             for k, f in per.items()}
+    return {"large": size(big), "small": size(small), "per_turn": turns,
+            "median": {k: statistics.median(v) for k, v in turns.items()}}
+
+
 def _first_step_words(row: dict) -> str:
     """The times to the first step of a cold start and of a relaunch, when measured."""
     cold = row.get("first_step", {}).get("to_first_step_s")
@@ -222,11 +282,11 @@ def main(argv=None) -> int:
             json.dump(result, f)
         return 0
     workloads = [tuple(w.split(":")) for w in args.only] if args.only else WORKLOADS
-    rows = []
-    for schedule, groups, mbs in workloads:
-        spec = {"schedule": schedule, "groups": int(groups), "microbatches": int(mbs)}
-        row: dict = {**spec, "new": [], "cached": [], "baseline": []}
-        for _ in range(args.repeats):
+    rows: list[dict] = [{"schedule": s, "groups": int(g), "microbatches": int(m),
+                         "new": [], "cached": [], "baseline": []} for s, g, m in workloads]
+    for _ in range(args.repeats):  # a turn of every workload: their ratios compare alike
+        for row in rows:
+            spec = {k: row[k] for k in ("schedule", "groups", "microbatches")}
             row["new"].append(measure(spec, None, None))
             n = row["new"][0]["instructions"]
             if args.baseline and n <= args.baseline_max:
@@ -237,25 +297,29 @@ def main(argv=None) -> int:
             with tempfile.TemporaryDirectory() as cache:
                 measure(relaunch, None, cache)  # fills the caches
                 row["cached"].append(measure(relaunch, None, cache))
+        write_json(args.out, {"meta": {"partial": True}, "rows": rows})
+    for row in rows:
+        spec = {k: row[k] for k in ("schedule", "groups", "microbatches")}
+        n = row["new"][0]["instructions"]
         if n <= args.first_step_max:
             row["first_step"] = measure({**spec, "run": True}, None, None)
         med = {side: {k: statistics.median(r[k] for r in row[side])
-                      for k in ("plan_s", "lower_s", "peak_rss_mb")}
+                      for k in ("plan_s", "lower_s", "peak_rss_mb", "reference_us_per_item",
+                                "reference_dense_us_per_item")
+                      if all(k in r for r in row[side])}
                for side in ("new", "cached", "baseline") if row[side]}
         row["median"] = med
         same = {r["program_sha256"] for side in ("new", "cached", "baseline")
                 for r in row[side]}
         row["programs_equal"] = len(same) == 1
-        rows.append(row)
-        write_json(args.out, {"meta": {"partial": True}, "rows": rows})
         if row["cached"] and "to_first_step_s" in row["cached"][0]:
             med["cached"]["to_first_step_s"] = statistics.median(
                 r["to_first_step_s"] for r in row["cached"])
         old = med.get("baseline", {}).get("plan_s")
         cached = med.get("cached", {}).get("plan_s", float("nan"))
-        print(f"{schedule} {groups}x{mbs}: {n} instructions, plan {med['new']['plan_s']:.2f} s "
-              f"(lower {med['new']['lower_s']:.2f} s), cached {cached:.2f} s"
-              + (f", baseline {old:.2f} s" if old is not None else "")
+        print(f"{row['schedule']} {row['groups']}x{row['microbatches']}: {n} instructions, "
+              f"plan {med['new']['plan_s']:.2f} s (lower {med['new']['lower_s']:.2f} s), "
+              f"cached {cached:.2f} s" + (f", baseline {old:.2f} s" if old is not None else "")
               + _first_step_words(row)
               + f", same program: {row['programs_equal']}", flush=True)
     points = [(r["new"][0]["instructions"], r["median"]["new"]["lower_s"]) for r in rows]
@@ -266,10 +330,16 @@ def main(argv=None) -> int:
         "per_instruction_us": {f"{r['schedule']} {r['groups']}x{r['microbatches']}":
                                1e6 * r["median"]["new"]["lower_s"] / r["new"][0]["instructions"]
                                for r in rows},
+        **{k: {f"{r['schedule']} {r['groups']}x{r['microbatches']}": r["median"]["new"][k]
+               for r in rows}
+           for k in ("reference_us_per_item", "reference_dense_us_per_item")},
+        "growth": growth(rows),
     }
     write_json(args.out, result)
-    print(json.dumps({"fit_lower": result["fit_lower"],
-                      "per_instruction_us": result["per_instruction_us"]}, indent=1))
+    print(json.dumps({k: result[k] for k in ("fit_lower", "per_instruction_us",
+                                             "reference_us_per_item",
+                                             "reference_dense_us_per_item", "growth")},
+                     indent=1))
     return 0
 
 
