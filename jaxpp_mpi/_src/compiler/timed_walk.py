@@ -83,23 +83,28 @@ class TimedWalk(Walk):
         """Plays the groups in estimated time until all tasks ran and all values arrived.
 
         One loop over plain lists (`Note: the timed walk's loop`).
-          Args: hopeless: asked every `_ASK_EVERY` steps; once it answers True, the walk
-          stops where it is and `stopped` is True (`Note: hopeless walks` in lower.py).
-          Raises: ValueError: if no group can act (the task order has a cycle across
-          groups).  Note: the timed walk's loop Each step, the earliest group acts (`act`:
-          deliver, wait, run or idle until the next event; ties by index), found in a heap
-          of the clocks (`clock`, an entry per change, stale ones dropped when met) rather
-          than by a scan of every group, which made a step's cost grow with the group
-          count. The state is per group in plain lists (its next task, the values it
-          received, its clock) and per group a dict of the messages it owes or is owed,
-          each as (value, sender, receiver), read in sorted order. A value's messages are
-          owed to all its readers on other groups when it is made: nothing is delivered
-          before it is owed, so every reader is still waiting then. A donated value is
-          never owed when its task runs: a task runs only once no message of its group's
-          donated values is pending (`act` waits for a busy peer, or delivers to an idle
-          one first), so unlike the round walk the run itself never sends
-          (`Note: donation`). Like every walk, it records events and moved values only
-          (`Note: emitted once` in walks.py).
+
+        Args:
+          hopeless: asked every `_ASK_EVERY` steps; once it answers True, the walk stops
+            where it is and `stopped` is True (`Note: hopeless walks` in lower.py).
+
+        Raises:
+          ValueError: if no group can act (the task order has a cycle across groups).
+
+        Note: the timed walk's loop
+          Each step, the earliest group acts (`act`: deliver, wait, run or idle until the
+          next event; ties by index), found in a heap of the clocks (`clock`, an entry per
+          change, stale ones dropped when met) rather than by a scan of every group, which
+          made a step's cost grow with the group count. The state is per group in plain
+          lists (its next task, the values it received, its clock) and per group a dict of
+          the messages it owes or is owed, each as (value, sender, receiver), read in
+          sorted order. A value's messages are owed to all its readers on other groups
+          when it is made: nothing is delivered before it is owed, so every reader is
+          still waiting then. A donated value is never owed when its task runs: a task
+          runs only once no message of its group's donated values is pending (`act` waits
+          for a busy peer, or delivers to an idle one first), so unlike the round walk the
+          run itself never sends (`Note: donation`). Like every walk, it records events
+          and moved values only (`Note: emitted once` in walks.py).
         """
         groups, pending, time = self.groups, self.pending, self.time
         tasks = [gs.tasks for gs in groups]
