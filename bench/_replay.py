@@ -4,7 +4,7 @@ replayed in program order (bench/gpu.py's part c).
 `Compiler` compiles lowered modules on a thread pool, each distinct module once (XLA
 releases the GIL while it compiles). `plan_executables` lowers every executable of a
 plan (`build_step`: no devices) for one device, a `_first` variant that the runtime
-builds from its plain one (`Note: first variants` in compiler/loop_tasks.py) as that
+builds from its plain one (`Note: first variants` in compiler/exes.py) as that
 plain variant after a small fill, as `group_compiler.py` runs it. `StageReplay` runs one
 stage's Runs of one group in program order, values flowing from Run to Run as in the
 runtime (frees honoured), inputs from elsewhere (other stages, other groups, the step's
@@ -76,7 +76,7 @@ def plan_executables(plan: Any, device: Any, compiler: Compiler) -> dict[tuple[i
     import jax
     import numpy as np
 
-    from jaxpp_mpi._src.compiler.loop_tasks import first_from_plain
+    from jaxpp_mpi._src.compiler.exes import first_from_plain
 
     sharding = jax.sharding.SingleDeviceSharding(device)
 

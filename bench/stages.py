@@ -110,7 +110,7 @@ def main() -> None:
     import numpy as np
 
     from jaxpp_mpi._src.compiler.build import build_step
-    from jaxpp_mpi._src.compiler.loop_tasks import first_from_plain
+    from jaxpp_mpi._src.compiler.exes import first_from_plain
     from jaxpp_mpi._src.driver.group_compiler import flops
     from jaxpp_mpi._src.ir.program import Run
 

@@ -28,10 +28,11 @@ from jax.extend import core as jex_core
 from jaxpp_mpi._src.base.errors import CompileError
 from jaxpp_mpi._src.base.types import Spec
 from jaxpp_mpi._src.compiler import replicas
+from jaxpp_mpi._src.compiler.exes import Exe
 from jaxpp_mpi._src.compiler.homes import LoopHomes, assign_loop_homes, assign_outer_homes
 from jaxpp_mpi._src.compiler.keys import aval_of, is_key, key_impl
 from jaxpp_mpi._src.compiler.loop_order import LoopOrder, loop_order
-from jaxpp_mpi._src.compiler.loop_tasks import Exe, loop_exes, loop_task_nodes
+from jaxpp_mpi._src.compiler.loop_tasks import loop_exes, loop_task_nodes
 from jaxpp_mpi._src.compiler.outer import OuterNames, input_value, outer_segments
 from jaxpp_mpi._src.compiler.program_cache import ExeAvals, ProgramCache, step_key
 from jaxpp_mpi._src.compiler.segment_tasks import segment_tasks

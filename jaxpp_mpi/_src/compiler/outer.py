@@ -26,10 +26,10 @@ from collections.abc import Collection
 
 from jax.extend import core as jex_core
 
+from jaxpp_mpi._src.compiler.exes import Exe
 from jaxpp_mpi._src.compiler.homes import OuterHomes
 from jaxpp_mpi._src.compiler.jaxpr_util import new_jaxpr
 from jaxpp_mpi._src.compiler.keys import key_boundary, replayable
-from jaxpp_mpi._src.compiler.loop_tasks import Exe
 from jaxpp_mpi._src.compiler.task_graph import Value
 
 __all__ = [

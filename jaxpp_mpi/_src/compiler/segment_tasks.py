@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Collection, Sequence
 
-from jaxpp_mpi._src.compiler.loop_tasks import Exe
+from jaxpp_mpi._src.compiler.exes import Exe
 from jaxpp_mpi._src.compiler.outer import OuterNames, Segment, segment_exe, segment_exports
 from jaxpp_mpi._src.compiler.task_graph import TaskNode, Value
 from jaxpp_mpi._src.ir.program import Aval

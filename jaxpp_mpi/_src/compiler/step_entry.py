@@ -14,9 +14,10 @@ import jax
 
 from jaxpp_mpi._src.base.errors import CompileError
 from jaxpp_mpi._src.compiler import fingerprint
+from jaxpp_mpi._src.compiler.exes import Exe
 from jaxpp_mpi._src.compiler.internal_errors import internal_error
 from jaxpp_mpi._src.compiler.loop_order import LoopOrder
-from jaxpp_mpi._src.compiler.loop_tasks import Exe, LoopTasks
+from jaxpp_mpi._src.compiler.loop_tasks import LoopTasks
 from jaxpp_mpi._src.compiler.outer import input_value
 from jaxpp_mpi._src.compiler.program_cache import (
     ExeAvals,

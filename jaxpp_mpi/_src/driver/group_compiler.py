@@ -6,7 +6,7 @@ the deferred way: `Note: deferred reduction` in compiler/deferred.py), then comp
 the rest: one by one in local mode, with the other ranks in MPI mode (`Note: shared
 compiles` in shared_compiles.py). A `_first` variant whose family's plain variant is
 compiled runs as that plain variant on fresh identity states (`Note: first variants`
-in compiler/loop_tasks.py), so each family costs one compile.
+in compiler/exes.py), so each family costs one compile.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from jaxpp_mpi._src.base.errors import CompileError
 from jaxpp_mpi._src.base.types import Spec
 from jaxpp_mpi._src.compiler import deferred
 from jaxpp_mpi._src.compiler.build import StepPlan
-from jaxpp_mpi._src.compiler.loop_tasks import Exe, first_from_plain
+from jaxpp_mpi._src.compiler.exes import Exe, first_from_plain
 from jaxpp_mpi._src.driver import shared_compiles
 from jaxpp_mpi._src.ir.instructions import program_spec
 from jaxpp_mpi._src.ir.layouts import LayoutError, donation_pairs, infer_layouts
@@ -116,7 +116,7 @@ def _compile_failed(failed: list[int], messages: Sequence[str | None]) -> Compil
 
 class _FromPlain:
     """A `_first` variant run as its family's plain variant on states that hold each
-    reduction's identity (`Note: first variants` in compiler/loop_tasks.py).
+    reduction's identity (`Note: first variants` in compiler/exes.py).
 
     Args:
       plain: the plain variant, compiled; its last inputs are the states (donated).
@@ -327,7 +327,7 @@ class GroupCompiler:
 
     def _shared_variants(self, g: int) -> dict[str, tuple[str, Exe]]:
         """Group `g`'s `_first` variants to build from their plain variants (`Note: first
-        variants` in compiler/loop_tasks.py): name -> (plain variant, identity fill).
+        variants` in compiler/exes.py): name -> (plain variant, identity fill).
         Only executables the layout pass has not compiled (it compiles every one whose
         reduction is deferred)."""
         plan, done = self._plan, self.executables[g]

@@ -26,7 +26,7 @@ from jax.extend import core as jex_core
 
 from jaxpp_mpi._src.arrays.mesh import MpmdMesh
 from jaxpp_mpi._src.compiler.build import StepPlan
-from jaxpp_mpi._src.compiler.loop_tasks import first_from_plain
+from jaxpp_mpi._src.compiler.exes import first_from_plain
 from jaxpp_mpi._src.compiler.split import split_body
 from jaxpp_mpi._src.compiler.trace_step import trace_step
 from jaxpp_mpi._src.driver.group_compiler import GroupCompiler, flops, lower_exe, memory_stats

@@ -17,7 +17,7 @@ import pytest
 from models import make_step, mlp, schedule
 
 from jaxpp_mpi._src.compiler.build import build_step
-from jaxpp_mpi._src.compiler.loop_tasks import first_from_plain, identity
+from jaxpp_mpi._src.compiler.exes import first_from_plain, identity
 from jaxpp_mpi._src.primitives.treduce import Add, Concat, Max, Op
 
 FLOATS = ["float16", "bfloat16", "float32", "float64"]
