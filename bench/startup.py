@@ -54,6 +54,8 @@ Note: the memory floor
   set of value names, each item reading two earlier ones), timed the same way, so the
   two ratios, 300k over 3k, can be read side by side; over dense int ids in a list
   instead of names in a dict, the same work stays in the caches' reach much longer.
+  That is why a built step's values are dense ints (`Note: dense values` in
+  compiler/task_graph.py): its lowering's growth is the dense pass's, not the names'.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ Note: loop tasks.
   Task (kind, stage) of microbatch m becomes one TaskNode named like the schedule's
   task (`F3s1`: FWD of stage 1 on microbatch 3) on the stage's group, in the order the
   schedule lists it (a fused entry's parts back to back). A value `v` of the body is
-  `v@m` for microbatch m; loop invariants and the microbatch index are values of the
+  `v@m` for microbatch m (a block of the graph's dense values, `Note: dense values` in
+  compiler/task_graph.py); loop invariants and the microbatch index are values of the
   group (given by the caller).
 
   Each body output k is reduced on the group of the task that computes it (its *host*:
@@ -40,7 +41,7 @@ from jaxpp_mpi._src.compiler.homes import LoopHomes
 from jaxpp_mpi._src.compiler.keys import aval_of, key_boundary, replayable
 from jaxpp_mpi._src.compiler.loop_order import LoopOrder, loop_order
 from jaxpp_mpi._src.compiler.split import SplitBody, TaskJaxpr, TaskKey
-from jaxpp_mpi._src.compiler.task_graph import TaskNode, Value
+from jaxpp_mpi._src.compiler.task_graph import TaskNode, Value, ValueNames
 from jaxpp_mpi._src.ir.program import Aval
 from jaxpp_mpi._src.primitives.treduce import Add, Max, Op
 from jaxpp_mpi._src.schedules.library import BaseSchedule
@@ -58,14 +59,18 @@ class LoopTasks:
       exes: per group, executable name -> Exe.
       avals: the aval of every value the tasks pass (values read only inside the task
         that makes them have none).
-      mb_values: (microbatch, group) -> the value name of that microbatch's index on
-        that group, for each one a task reads (the caller binds them as step inputs).
+      mb_values: (microbatch, group) -> the value of that microbatch's index on that
+        group, for each one a task reads (the caller binds them as step inputs).
+      names: the names of the values (`Note: dense values` in task_graph.py): the
+        tasks' values are ints, the caller's names (`inv_value`, `out_values`) made
+        values here.
     """
 
     tasks: list[list[TaskNode]]
     exes: list[dict[str, Exe]]
     avals: dict[Value, Aval]
     mb_values: dict[tuple[int, int], Value]
+    names: ValueNames = dataclasses.field(default_factory=ValueNames)
 
 
 def _task_fn(task: TaskJaxpr, export: Sequence[int], sources: Sequence[tuple],
@@ -246,19 +251,19 @@ def _loop_exes(lo: LoopOrder, plans: Sequence[Mapping[TaskKey, _KeyPlan]],
     return out
 
 
-class _ValueNames(dict):
-    """Body value name -> its value of each microbatch `m` in range(n), `f"{name}@{m}"`
-    (`Note: loop tasks`), each string made once: the nodes and the avals hold one string
-    per value, which dict look-ups downstream then match by identity."""
+class _Blocks(dict):
+    """Body value name -> its value of each microbatch `m` in range(n), named
+    `f"{name}@{m}"` (`Note: loop tasks`): a block of `names`, made on first use. Each
+    value is one int object, which every node passing it holds (a range would make a
+    new one per node)."""
 
-    def __init__(self, n: int):
+    def __init__(self, names: ValueNames, n: int):
         super().__init__()
-        self.n = n
-        self.suffixes = [f"@{m}" for m in range(n)]  # once: joining beats formatting m
+        self.names, self.n = names, n
 
-    def __missing__(self, name: str) -> list[Value]:
-        names = self[name] = [name + at for at in self.suffixes]
-        return names
+    def __missing__(self, name: str) -> list[int]:
+        values = self[name] = list(self.names.block(name, self.n))
+        return values
 
 
 class _NodeForm(NamedTuple):
@@ -270,11 +275,12 @@ class _NodeForm(NamedTuple):
     label: str  # its label with '{0}' for the microbatch
     ins: list[Value | None]  # the plain inputs; None: filled in per microbatch
     # per body value read: (position, its name, its value per microbatch)
-    reads: list[tuple[int, str, list[Value]]]
+    reads: list[tuple[int, str, list[int]]]
     index_ins: list[int]  # the positions of the microbatch index
     # per exported task output: (its name, its value per microbatch)
-    exports: list[tuple[str, list[Value]]]
-    acc: list[str]  # 'acc<k>@' of each hosted body output
+    exports: list[tuple[str, list[int]]]
+    # per hosted body output k: ('acc<k>', its state's value per microbatch)
+    acc: list[tuple[str, list[int]]]
     finals: list[Value]  # the loop output of each hosted body output
     acc_avals: list[Aval]  # the aval of each one's state
     prev: dict[int, int]  # microbatch -> the one the key ran before it
@@ -283,16 +289,17 @@ class _NodeForm(NamedTuple):
 
 def _node_form(lo: LoopOrder, plan: _KeyPlan, key: TaskKey, g: int,
                inv_value: Callable[[int, int], Value], out_values: Sequence[Value],
-               acc_avals: Sequence[Aval], values: _ValueNames) -> _NodeForm:
+               acc_avals: Sequence[Aval], values: _Blocks) -> _NodeForm:
     """The `_NodeForm` of `key` on group `g`."""
+    intern = values.names.intern
     ins: list[Value | None] = []
-    reads: list[tuple[int, str, list[Value]]] = []
+    reads: list[tuple[int, str, list[int]]] = []
     index_ins: list[int] = []
     for ref in plan.task.ins:
         if ref[0] == "mb":
             index_ins.append(len(ins))
         elif ref[0] == "inv":
-            ins.append(inv_value(ref[1], g))
+            ins.append(intern(inv_value(ref[1], g)))
             continue
         else:
             reads.append((len(ins), ref[1], values[ref[1]]))
@@ -300,7 +307,7 @@ def _node_form(lo: LoopOrder, plan: _KeyPlan, key: TaskKey, g: int,
     for v in plan.extra:
         if v is None:
             index_ins.append(len(ins))
-        ins.append(v)
+        ins.append(None if v is None else intern(v))
     if plan.with_index:
         index_ins.append(len(ins))
         ins.append(None)
@@ -312,8 +319,9 @@ def _node_form(lo: LoopOrder, plan: _KeyPlan, key: TaskKey, g: int,
     label = task_label(tuple(Task(key[1], "{0}", kind) for kind in kinds))
     exports = [(plan.task.outs[j], values[plan.task.outs[j]]) for j in plan.export]
     return _NodeForm(
-        plan, runs, label, ins, reads, index_ins, exports, [f"acc{k}@" for k in ks],
-        [out_values[k] for k in ks], [acc_avals[k] for k in ks],
+        plan, runs, label, ins, reads, index_ins, exports,
+        [(f"acc{k}", values[f"acc{k}"]) for k in ks],
+        [intern(out_values[k]) for k in ks], [acc_avals[k] for k in ks],
         dict(zip(runs[1:], runs[:-1])), {})
 
 
@@ -323,14 +331,13 @@ def _loop_nodes(lo: LoopOrder, split: SplitBody, plans: Sequence[Mapping[TaskKey
     """Every microbatch's task node, the avals of the values they pass and the
     microbatch indexes they read (`LoopTasks` less its executables)."""
     n = lo.num_microbatches
-    values = _ValueNames(n)
-    avals: dict[Value, Aval] = {}
+    result = LoopTasks([[] for _ in range(lo.num_groups)], [{} for _ in range(lo.num_groups)],
+                       {}, {})
+    avals, mb_values, intern = result.avals, result.mb_values, result.names.intern
+    values = _Blocks(result.names, n)
     for name, aval in split.value_avals.items():
         if name in lo.read_by_tasks:  # the others never leave their task's executable
             avals.update(dict.fromkeys(values[name], aval_of(aval)))  # one for every m
-    result = LoopTasks([[] for _ in range(lo.num_groups)], [{} for _ in range(lo.num_groups)],
-                       avals, {})
-    mb_values = result.mb_values
 
     for g, group_order in enumerate(lo.order):
         forms: dict[TaskKey, _NodeForm] = {}  # made at the key's first node
@@ -342,18 +349,19 @@ def _loop_nodes(lo: LoopOrder, split: SplitBody, plans: Sequence[Mapping[TaskKey
                                                out_values, acc_avals, values)
             first, last, exe = _variant(form.plan, form.runs, m)
             ins = form.ins.copy()
-            if type(m) is int and 0 <= m < n:  # its values' names are made
-                for i, _, names in form.reads:
-                    ins[i] = names[m]
-                outs = [names[m] for _, names in form.exports]
+            inside = type(m) is int and 0 <= m < n  # its values are made
+            if inside:
+                for i, _, vs in form.reads:
+                    ins[i] = vs[m]
+                outs = [vs[m] for _, vs in form.exports]
             else:  # a schedule's microbatch out of range: named all the same
                 for i, name, _ in form.reads:
-                    ins[i] = f"{name}@{m}"
-                outs = [f"{name}@{m}" for name, _ in form.exports]
+                    ins[i] = intern(f"{name}@{m}")
+                outs = [intern(f"{name}@{m}") for name, _ in form.exports]
             if form.index_ins:
                 index = mb_values.get((m, g))
                 if index is None:
-                    index = mb_values[m, g] = f"mb{m}g{g}"
+                    index = mb_values[m, g] = intern(f"mb{m}g{g}")
                 for i in form.index_ins:
                     ins[i] = index
             states_in: list[Value] = []
@@ -362,9 +370,11 @@ def _loop_nodes(lo: LoopOrder, split: SplitBody, plans: Sequence[Mapping[TaskKey
                     states_in = form.states[form.prev[m]]
                 if last:
                     states_out = form.finals
+                elif inside:
+                    states_out = form.states[m] = [vs[m] for _, vs in form.acc]
                 else:
-                    at = f"{m}"
-                    states_out = form.states[m] = [prefix + at for prefix in form.acc]
+                    states_out = form.states[m] = [intern(f"{name}@{m}")
+                                                   for name, _ in form.acc]
                 avals.update(zip(states_out, form.acc_avals))
                 outs += states_out
             ins += states_in

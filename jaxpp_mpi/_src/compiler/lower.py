@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator, Mapping
 
 from jaxpp_mpi._src.compiler import task_models
-from jaxpp_mpi._src.compiler.task_graph import TaskGraph, Value
+from jaxpp_mpi._src.compiler.task_graph import TaskGraph
 from jaxpp_mpi._src.compiler.timed_walk import TimedWalk
 from jaxpp_mpi._src.compiler.walks import BufferNames, RoundWalk, Walk, WalkIndex
 from jaxpp_mpi._src.ir import passes as program_passes
@@ -241,7 +241,8 @@ def build_program_with_names(
         blocking sends either way.
 
     Returns:
-      The program, and per group a dict from buffer id to the value it holds.
+      The program, and per group a mapping from buffer id to the name of the value it
+      holds (`TaskGraph.value_name`).
 
     Raises:
       ValueError: if the graph is invalid (`TaskGraph.validate`), or if a round makes no
@@ -263,7 +264,7 @@ def build_program(graph: TaskGraph) -> Program:
 
 
 def live_buffer_profile(
-    group: GroupProgram, names: Mapping[int, Value], predicate: Callable[[Value], bool]
+    group: GroupProgram, names: Mapping[int, str], predicate: Callable[[str], bool]
 ) -> int:
     """The largest number of buffers live at once whose value satisfies `predicate`.
 

@@ -133,6 +133,8 @@ def graph_key(graph: TaskGraph, task_ms: Mapping[str, float] | None, sends: str)
     h.update(repr(graph.inputs).encode())
     h.update(repr([str(avals[v]) for v, _, _ in graph.inputs]).encode())
     h.update(repr(graph.outputs).encode())
+    if graph.names is not None:  # the buffer names an entry keeps
+        h.update(graph.names.digest().encode())
     return h.hexdigest()
 
 

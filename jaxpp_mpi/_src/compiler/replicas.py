@@ -109,10 +109,15 @@ def add_reductions(program: Program, buffer_names: Sequence[Mapping[int, Value]]
       The verified program with its AllReduce instructions.
     """
     reductions: dict[int, list[tuple[int, str]]] = {}
+    bufs: dict[int, dict[Value, int]] = {}  # per group read: value name -> its buffer
     for k, (value, g, op) in enumerate(zip(loop_outs, out_groups, ops)):
         if value == f"loopout{k}":
             continue
-        buf = next((b for b, v in buffer_names[g].items() if v == value), None)
+        if g not in bufs:
+            bufs[g] = {}
+            for b, v in buffer_names[g].items():
+                bufs[g].setdefault(v, b)
+        buf = bufs[g].get(value)
         if buf is None:  # read by nothing on its group
             continue
         aval = program.group(g).aval(buf)

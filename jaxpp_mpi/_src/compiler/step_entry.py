@@ -26,7 +26,7 @@ from jaxpp_mpi._src.compiler.program_cache import (
     lower_cached,
 )
 from jaxpp_mpi._src.compiler.split import SplitBody
-from jaxpp_mpi._src.compiler.task_graph import TaskGraph, TaskNode, Value
+from jaxpp_mpi._src.compiler.task_graph import TaskGraph, TaskNode, Value, ValueNames
 from jaxpp_mpi._src.ir.program import Aval
 
 if TYPE_CHECKING:
@@ -51,10 +51,13 @@ class _Inputs(NamedTuple):
 def _step_inputs(
     input_owner: Sequence[int | None], input_avals: Sequence[Aval],
     mb_values: dict[tuple[int, int], Value], avals: dict[Value, Aval],
+    names: ValueNames,
 ) -> _Inputs:
     """Binds the step's inputs: constants and arguments on their owners, then one
-    microbatch index per (microbatch, group) that a task reads, by group."""
-    bindings = [(input_value(k), g, k) for k, g in enumerate(input_owner) if g is not None]
+    microbatch index per (microbatch, group) that a task reads, by group (each a value
+    of `names`)."""
+    bindings = [(names.intern(input_value(k)), g, k) for k, g in enumerate(input_owner)
+                if g is not None]
     out = _Inputs(bindings, list(input_avals), list(input_owner), [])
     for (m, g), v in sorted(mb_values.items(), key=lambda x: (x[0][1], x[0][0])):
         k = len(out.avals)
@@ -144,10 +147,19 @@ def cached_entry(cache: ProgramCache | None, key: str | None,
 
 
 def _with_loop_tasks(tasks: Sequence[TaskNode], stand_in: TaskNode,
-                     loop_tasks: Sequence[TaskNode]) -> list[TaskNode]:
-    """A group's tasks with its loop's stand-in replaced by its loop tasks."""
+                     loop_tasks: Sequence[TaskNode], names: ValueNames) -> list[TaskNode]:
+    """A group's tasks with its loop's stand-in replaced by its loop tasks, the
+    others' value names made values of `names` (the loop tasks' are already)."""
     k = next(k for k, t in enumerate(tasks) if t is stand_in)
-    return [*tasks[:k], *loop_tasks, *tasks[k + 1:]]
+    return [*_interned(tasks[:k], names), *loop_tasks, *_interned(tasks[k + 1:], names)]
+
+
+def _interned(tasks: Sequence[TaskNode], names: ValueNames) -> list[TaskNode]:
+    """`tasks` with their value names made values of `names` (`Note: dense values`)."""
+    intern = names.intern
+    return [TaskNode(t.name, t.group, t.exe, [intern(v) for v in t.ins],
+                     [intern(v) for v in t.outs], [intern(v) for v in t.donate])
+            for t in tasks]
 
 
 def lowered_entry(
@@ -170,10 +182,17 @@ def lowered_entry(
     Returns:
       The entry, and whether its program came from a program entry.
     """
-    avals = {**nodes.avals, **avals}  # the values of the loop tasks first, as they make them
-    tasks = [_with_loop_tasks(ts, s, lt) for ts, s, lt in zip(tasks, stand_ins, nodes.tasks)]
-    inputs = _step_inputs(input_owner, input_avals, nodes.mb_values, avals)
-    graph = TaskGraph(len(tasks), tasks, inputs.bindings, list(output_values), avals)
+    # Every value as an int of `names` (`Note: dense values` in task_graph.py): the
+    # loop tasks' are; the segments', the step's inputs' and outputs' become ones here.
+    names = nodes.names
+    intern = names.intern
+    tasks = [_with_loop_tasks(ts, s, lt, names)
+             for ts, s, lt in zip(tasks, stand_ins, nodes.tasks)]
+    # the values of the loop tasks first, as they make them
+    avals = {**nodes.avals, **{intern(v): a for v, a in avals.items()}}
+    inputs = _step_inputs(input_owner, input_avals, nodes.mb_values, avals, names)
+    graph = TaskGraph(len(tasks), tasks, inputs.bindings,
+                      [(intern(v), k) for v, k in output_values], avals, names)
     if task_times_ms:
         _check_task_times(graph, task_times_ms, what)
     try:

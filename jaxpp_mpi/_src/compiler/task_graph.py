@@ -2,20 +2,22 @@
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from types import MappingProxyType
 from typing import NoReturn
 
 from jaxpp_mpi._src.ir.program import Aval
 
-__all__ = ["TaskGraph", "TaskNode", "Value"]
+__all__ = ["NamedBuffers", "TaskGraph", "TaskNode", "Value", "ValueNames"]
 
-# Names one value instance, e.g. 'v12' or 'v12@m3' (value v12 of microbatch 3). Opaque
-# to the lowering: only compared for equality and sorted for determinism.
-Value = str
+# One value instance: an int of the graph's `ValueNames` (a built step's graph), or its
+# name itself (a graph written by hand), e.g. 'v12' or 'v12@3' (value v12 of microbatch
+# 3). Opaque to the lowering: only compared for equality and sorted for determinism.
+Value = int | str
 
 _NO_SPACE = re.compile(r"\S+")
 
@@ -77,6 +79,86 @@ def _once_each(ins: tuple[Value, ...], donate: tuple[Value, ...]) -> bool:
             and in_set.issuperset(donate))
 
 
+class ValueNames:
+    """The values of a built step's task graph as dense ints, and their names.
+
+    Note: dense values
+      A built graph's values are the ints 0, 1, 2, ... handed out here, in the order
+      the graph's builder makes them, each with a name ('v12@3', 'x4g1', 'in0') made
+      only when asked for (an error message, a buffer's name). The lowering looks
+      values up in dicts and sets once per use, millions of times for a deep
+      pipeline: an int hashes to itself, so values made together sit together in a
+      table, while names hash to random slots and, past the caches, miss on nearly
+      every look-up (`Note: the memory floor` in bench/startup.py measures both).
+      The lowering sorts values only to break ties (which message goes first), and an
+      int sorts by the order it was made.
+
+    A *block* is the values of one body value over the microbatches, `head@0` to
+    `head@{n-1}`; a single value has a name of its own.
+    """
+
+    def __init__(self) -> None:
+        self._starts: list[int] = []  # each block's or single's first value, ascending
+        self._heads: list[str] = []  # its name, or its head ('v12' of 'v12@3')
+        self._blocks: list[bool] = []  # whether it is a block
+        self._interned: dict[str, int] = {}  # single name -> its value
+        self.size = 0  # the values handed out
+
+    def block(self, head: str, n: int) -> range:
+        """`n` new values, named `head@0` to `head@{n-1}`."""
+        start = self.size
+        self._starts.append(start)
+        self._heads.append(head)
+        self._blocks.append(True)
+        self.size = start + n
+        return range(start, start + n)
+
+    def intern(self, name: str) -> int:
+        """The single value named `name`, made on first use (one name, one value: the
+        caller gives no single the name of a block's value)."""
+        v = self._interned.get(name)
+        if v is None:
+            v = self._interned[name] = self.size
+            self._starts.append(v)
+            self._heads.append(name)
+            self._blocks.append(False)
+            self.size = v + 1
+        return v
+
+    def name(self, v: Value) -> str:
+        """The name of value `v` (a name is its own)."""
+        if isinstance(v, str):
+            return v
+        if not 0 <= v < self.size:
+            raise KeyError(f"no value {v!r} (made: {self.size})")
+        i = bisect.bisect_right(self._starts, v) - 1
+        return f"{self._heads[i]}@{v - self._starts[i]}" if self._blocks[i] else self._heads[i]
+
+    def digest(self) -> str:
+        """Everything the names depend on, as text (a program entry's key)."""
+        return repr((self.size, self._starts, self._heads, self._blocks))
+
+
+class NamedBuffers(Mapping):
+    """A group's buffer id -> value name, read-only, each name made when read (`Note:
+    dense values`): the lowering's buffer names of a built step's graph."""
+
+    def __init__(self, values: Mapping[int, Value], names: ValueNames):
+        self._values, self._names = values, names
+
+    def __getitem__(self, b: int) -> str:
+        return self._names.name(self._values[b])
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __repr__(self) -> str:
+        return repr(dict(self.items()))
+
+
 @dataclasses.dataclass(frozen=True)
 class TaskGraph:
     """What each group runs, in which order, and where step inputs and outputs live.
@@ -108,6 +190,7 @@ class TaskGraph:
       outputs: (value, flat step output index); the value stays on the group that
         produced it.
       avals: the aval of every value (extra entries are ignored).
+      names: the names of the values, if they are ints (`Note: dense values`).
     """
 
     num_groups: int
@@ -115,6 +198,7 @@ class TaskGraph:
     inputs: tuple[tuple[Value, int, int], ...]
     outputs: tuple[tuple[Value, int], ...]
     avals: Mapping[Value, Aval]
+    names: ValueNames | None = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self):
         object.__setattr__(self, "num_groups", int(self.num_groups))
@@ -122,6 +206,14 @@ class TaskGraph:
         object.__setattr__(self, "inputs", tuple((v, int(g), int(k)) for v, g, k in self.inputs))
         object.__setattr__(self, "outputs", tuple((v, int(k)) for v, k in self.outputs))
         object.__setattr__(self, "avals", MappingProxyType(dict(self.avals)))
+
+    def value_name(self, v: Value) -> str:
+        """The name of value `v` (`Note: dense values`)."""
+        return self.names.name(v) if self.names is not None else v
+
+    def show(self, v: Value) -> str:
+        """Value `v` as an error message names it: its name, quoted."""
+        return repr(self.value_name(v))
 
     @property
     def producer_map(self) -> Mapping[Value, tuple[int, str]]:
@@ -147,14 +239,14 @@ class TaskGraph:
         out: dict[Value, tuple[int, str]] = {}
         for v, g, _ in self.inputs:
             if v in out:
-                _produced_twice(v, out[v], (g, ""))
+                _produced_twice(self.show(v), out[v], (g, ""))
             out[v] = (g, "")
         for ts in self.tasks:
             for t in ts:
                 made = (t.group, t.name)
                 for v in t.outs:
                     if v in out:
-                        _produced_twice(v, out[v], made)
+                        _produced_twice(self.show(v), out[v], made)
                     out[v] = made
         return out
 
@@ -193,45 +285,45 @@ class TaskGraph:
         bindings: set[tuple[int, int]] = set()
         for v, g, k in self.inputs:
             if not 0 <= g < n or k < 0:
-                raise ValueError(f"input {v!r}: bad owner group {g} or index {k}")
+                raise ValueError(f"input {self.show(v)}: bad owner group {g} or index {k}")
             if (g, k) in bindings:
                 raise ValueError(f"input index {k} is bound twice on group {g}")
             bindings.add((g, k))
         prod = self._producers  # read only here: no copy
         if not prod.keys() <= self.avals.keys():  # name the first value without one
             v = next(v for v in prod if v not in self.avals)
-            raise ValueError(f"value {v!r} has no aval")
+            raise ValueError(f"value {self.show(v)} has no aval")
         out_idx: set[int] = set()
         for v, k in self.outputs:
             if v not in prod:
-                raise ValueError(f"output {k} ({v!r}) is never produced")
+                raise ValueError(f"output {k} ({self.show(v)}) is never produced")
             if k < 0 or k in out_idx:
-                raise ValueError(f"output index {k} ({v!r}) is negative or repeated")
+                raise ValueError(f"output index {k} ({self.show(v)}) is negative or repeated")
             out_idx.add(k)
         outputs = {v for v, _ in self.outputs}
         bound: list[set[Value]] = [set() for _ in range(n)]  # per group: its input values
         for v, g, _ in self.inputs:
             bound[g].add(v)
-        return tuple(_check_group_order(g, ts, prod, outputs, bound[g])
+        return tuple(_check_group_order(g, ts, prod, outputs, bound[g], self.show)
                      for g, ts in enumerate(self.tasks))
 
 
-def _produced_twice(v: Value, old: tuple[int, str], new: tuple[int, str]) -> NoReturn:
-    """Raises `producers`' error: `v` is produced by `old` and by `new` (group, task
-    name; task name '' = an input)."""
+def _produced_twice(v: str, old: tuple[int, str], new: tuple[int, str]) -> NoReturn:
+    """Raises `producers`' error: value `v` (as `TaskGraph.show` names it) is produced
+    by `old` and by `new` (group, task name; task name '' = an input)."""
 
     def by(group: int, task: str) -> str:
         return f"task {task} on group {group}" if task else f"an input of group {group}"
 
-    raise ValueError(f"value {v!r} is produced twice: by {by(*old)} and by {by(*new)}")
+    raise ValueError(f"value {v} is produced twice: by {by(*old)} and by {by(*new)}")
 
 
 def _check_group_order(
     g: int, tasks: tuple[TaskNode, ...], prod: Mapping[Value, tuple[int, str]],
-    outputs: set[Value], inputs: set[Value],
+    outputs: set[Value], inputs: set[Value], show: Callable[[Value], str],
 ) -> tuple[tuple[Value, ...], ...]:
     """Checks one group's list: uses after same-group production, and `Note: donation`;
-    returns what each task waits for (`TaskGraph.waits`)."""
+    returns what each task waits for (`TaskGraph.waits`; `show`: `TaskGraph.show`)."""
     done: set[Value] = set(inputs)  # the values bound or made on g, and not donated
     donated: dict[Value, str] = {}
     waits: list[tuple[Value, ...]] = []
@@ -244,13 +336,13 @@ def _check_group_order(
         for v in away:
             made = prod.get(v)
             if made is None or made[0] == g or v in donated:
-                _check_uses(g, t, prod, done, donated)
+                _check_uses(g, t, prod, done, donated, show)
         if len(away) > 1 and len(set(away)) < len(away):
             away = list(dict.fromkeys(away))
         waits.append(tuple(away))
         for v in t.donate:
             if prod[v][0] == g and v in outputs:
-                raise ValueError(f"task {t.name} on group {g} donates step output {v!r}")
+                raise ValueError(f"task {t.name} on group {g} donates step output {show(v)}")
             donated[v] = t.name
             done.discard(v)
         done.update(t.outs)
@@ -258,19 +350,20 @@ def _check_group_order(
 
 
 def _check_uses(g: int, t: TaskNode, prod: Mapping[Value, tuple[int, str]],
-                done: set[Value], donated: Mapping[Value, str]) -> None:
+                done: set[Value], donated: Mapping[Value, str],
+                show: Callable[[Value], str]) -> None:
     """Raises on the first input of `t` (on group `g`) that is never produced, donated,
     or produced on `g` but not yet (`done`: the values bound or made on `g` so far, less
-    the donated ones)."""
+    the donated ones; `show`: `TaskGraph.show`)."""
     for v in t.ins:
         if v not in prod:
-            raise ValueError(f"task {t.name} on group {g}: input {v!r} is never produced")
+            raise ValueError(f"task {t.name} on group {g}: input {show(v)} is never produced")
         if v in donated:
             raise ValueError(
-                f"task {t.name} on group {g} uses {v!r}, which task {donated[v]} donated"
+                f"task {t.name} on group {g} uses {show(v)}, which task {donated[v]} donated"
             )
         h, p = prod[v]
         if h == g and v not in done:
             raise ValueError(
-                f"task {t.name} on group {g} uses {v!r} before task {p} produces it there"
+                f"task {t.name} on group {g} uses {show(v)} before task {p} produces it there"
             )

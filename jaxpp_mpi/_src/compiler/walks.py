@@ -12,13 +12,13 @@ import itertools
 from collections.abc import Mapping
 from typing import NamedTuple
 
-from jaxpp_mpi._src.compiler.task_graph import TaskGraph, TaskNode, Value
+from jaxpp_mpi._src.compiler.task_graph import NamedBuffers, TaskGraph, TaskNode, Value
 from jaxpp_mpi._src.ir.program import GroupProgram, Instr, Program
 from jaxpp_mpi._src.ir.trusted import new_recv, new_run, new_send
 
 __all__ = ["BufferNames", "Event", "RoundWalk", "Walk", "WalkIndex", "dataflow_order"]
 
-BufferNames = tuple[dict[int, Value], ...]  # per group: buffer id -> value name
+BufferNames = tuple[Mapping[int, str], ...]  # per group: buffer id -> value name
 # One event of a walk (`Note: walk events`): (group, task name) for a Run, (sender,
 # receiver, whether it is an exchange) for a message.
 Event = tuple[int, str] | tuple[int, int, bool]
@@ -273,12 +273,14 @@ class Walk:
 
     def _stuck_message(self) -> str:
         lines = []
+        name = self.graph.value_name
         for g, gs in enumerate(self.groups):
             t = gs.next_task
             if t is None:
                 continue
             waits = ", ".join(
-                f"{v} (from group {self.prod[v]})" if self.prod[v] != g else v for v in gs.missing()
+                f"{name(v)} (from group {self.prod[v]})" if self.prod[v] != g else name(v)
+                for v in gs.missing()
             )
             lines.append(f"  group {g}: task {t.name} waits for {waits}")
         return "lowering made no progress (a cycle in the task order?):\n" + "\n".join(lines)
@@ -293,7 +295,10 @@ class Walk:
             outputs = [(gs.bufs[v], k) for v, k in self.graph.outputs if self.prod[v] == g]
             avals = dict(enumerate(map(self.graph.avals.__getitem__, gs.names)))
             groups.append(GroupProgram(g, inputs, tuple(gs.instrs), outputs, avals))
-        return Program(tuple(groups)), tuple(dict(enumerate(gs.names)) for gs in self.groups)
+        names = self.graph.names  # `Note: dense values` in task_graph.py
+        return Program(tuple(groups)), tuple(
+            dict(enumerate(gs.names)) if names is None
+            else NamedBuffers(dict(enumerate(gs.names)), names) for gs in self.groups)
 
     def _emit(self) -> None:
         """Appends each group's instructions and defines its buffers, playing the

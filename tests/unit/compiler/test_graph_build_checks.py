@@ -1,6 +1,6 @@
 """The checks of task nodes, task graphs and the loop order name the first problem with
-the same words however they are computed; the loop task nodes of a plan share one
-string per value, and a schedule's microbatch out of range is named all the same."""
+the same words however they are computed; the loop task nodes of a plan pass dense
+ints with one name each, and a schedule's microbatch out of range is named all the same."""
 
 from __future__ import annotations
 
@@ -156,21 +156,29 @@ def _loop_nodes(monkeypatch, edit):
     return seen[0]
 
 
-def test_loop_nodes_share_one_string_per_value(monkeypatch):
+def test_loop_nodes_values_are_dense_ints_with_one_name_each(monkeypatch):
     nodes = _loop_nodes(monkeypatch, lambda lists, n: None)
-    made = {v: v for ts in nodes.tasks for t in ts for v in t.outs}
-    reads = [v for ts in nodes.tasks for t in ts for v in t.ins if "@" in v]
-    assert reads and all(made[v] is v for v in reads)
-    keys = {k: k for k in nodes.avals}
-    assert all(keys[v] is v for v in made if "@" in v and "acc" not in v)
+    name = nodes.names.name
+    values = {v for ts in nodes.tasks for t in ts for v in (*t.ins, *t.outs)}
+    assert all(type(v) is int and 0 <= v < nodes.names.size for v in values)
+    assert len({name(v) for v in values}) == len(values)
+    made = {v for ts in nodes.tasks for t in ts for v in t.outs}
+    reads = [v for ts in nodes.tasks for t in ts for v in t.ins if "@" in name(v)]
+    assert reads and set(reads) <= made
+    assert all(v in nodes.avals for v in made if "@" in name(v))
+    # a body value's name and microbatch, as the tasks of that microbatch pass it
+    f3 = next(t for ts in nodes.tasks for t in ts if t.name == "F3s0")
+    assert f3.outs and all(name(v).endswith("@3") for v in f3.outs)
 
 
 def test_a_microbatch_out_of_range_is_named_like_the_others(monkeypatch):
     nodes = _loop_nodes(monkeypatch, _extra_microbatch)
+    name = nodes.names.name
     extra = [t for ts in nodes.tasks for t in ts if t.name in ("F4s0", "B4s0")]
     assert len(extra) == 2
-    values = [v for t in extra for v in (*t.ins, *t.outs) if "@" in v and "acc" not in v]
-    assert values and all(v.endswith("@4") and v not in nodes.avals for v in values)
-    plain = {v.split("@")[0] for ts in nodes.tasks for t in ts if t.name == "F3s0"
+    values = [v for t in extra for v in (*t.ins, *t.outs)
+              if "@" in name(v) and "acc" not in name(v)]
+    assert values and all(name(v).endswith("@4") and v not in nodes.avals for v in values)
+    plain = {name(v).split("@")[0] for ts in nodes.tasks for t in ts if t.name == "F3s0"
              for v in t.outs}
-    assert {v.split("@")[0] for v in extra[0].outs} == plain
+    assert {name(v).split("@")[0] for v in extra[0].outs} == plain
