@@ -91,7 +91,9 @@ class ValueNames:
       table, while names hash to random slots and, past the caches, miss on nearly
       every look-up (`Note: the memory floor` in bench/startup.py measures both).
       The lowering sorts values only to break ties (which message goes first), and an
-      int sorts by the order it was made.
+      int sorts by the order it was made; on every schedule measured the programs are
+      the ones the names would give, hash for hash (tests/unit/compiler/
+      test_dense_values.py keeps three of them so).
 
     A *block* is the values of one body value over the microbatches, `head@0` to
     `head@{n-1}`; a single value has a name of its own.
