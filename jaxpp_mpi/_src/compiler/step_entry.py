@@ -171,7 +171,7 @@ def lowered_entry(
     """The task graph, lowered (through `cache`'s program entries), as a step entry.
 
     Args:
-      nodes: from `loop_task_nodes`.
+      nodes: from `loop_task_nodes`; its `avals` gain every other value's.
       tasks: per group, its tasks with its loop's stand-in (`stand_ins[g]`).
       input_avals: per flat user input, its aval; avals: every value's, but the loop
         tasks'.
@@ -188,8 +188,11 @@ def lowered_entry(
     intern = names.intern
     tasks = [_with_loop_tasks(ts, s, lt, names)
              for ts, s, lt in zip(tasks, stand_ins, nodes.tasks)]
-    # the values of the loop tasks first, as they make them
-    avals = {**nodes.avals, **{intern(v): a for v, a in avals.items()}}
+    # the values of the loop tasks first, as they make them; their dict takes the others
+    # (one dict of every value fewer alive while lowering: 13 MB at 257k instructions)
+    loop_avals = nodes.avals
+    loop_avals.update((intern(v), a) for v, a in avals.items())
+    avals = loop_avals
     inputs = _step_inputs(input_owner, input_avals, nodes.mb_values, avals, names)
     graph = TaskGraph(len(tasks), tasks, inputs.bindings,
                       [(intern(v), k) for v, k in output_values], avals, names)
